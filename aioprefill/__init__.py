@@ -1,0 +1,1 @@
+"""aioprefill: forward-aware prefill batching for asyncio servers."""

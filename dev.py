@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Set up `.venv` and run the main job or the tests, needing nothing but Python 3.11+.
+
+    python3 dev.py bench [bench args...]   # python -m aioprefill.bench (CPU default)
+    python3 dev.py test  [pytest args...]  # the whole test suite (what CI runs)
+    python3 dev.py lint                    # ruff + mypy
+
+The virtual environment is (re)installed only when pyproject.toml changed since the last
+install, so repeated runs start at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+STAMP = VENV / ".aioprefill-installed"
+PY = VENV / "bin" / "python"
+
+
+def _ensure_venv() -> None:
+    if sys.version_info < (3, 11):
+        sys.exit(f"aioprefill needs Python 3.11+, this is {sys.version.split()[0]}")
+    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if STAMP.exists() and STAMP.read_text() == wanted and PY.exists():
+        return
+    if not PY.exists():
+        print("dev.py: creating .venv", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    print("dev.py: installing aioprefill[test,bench] into .venv", flush=True)
+    pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, "-e", f"{ROOT}[test,bench]"], check=True)
+    STAMP.write_text(wanted)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in {"bench", "test", "lint"}:
+        print(__doc__)
+        return 2
+    _ensure_venv()
+    cmd, rest = argv[0], argv[1:]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if cmd == "bench":
+        return subprocess.call([str(PY), "-m", "aioprefill.bench", *rest], cwd=ROOT, env=env)
+    if cmd == "test":
+        return subprocess.call([str(PY), "-m", "pytest", *rest], cwd=ROOT, env=env)
+    rc = subprocess.call([str(PY), "-m", "ruff", "check", "."], cwd=ROOT, env=env)
+    return rc or subprocess.call([str(PY), "-m", "mypy"], cwd=ROOT, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
