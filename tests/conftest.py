@@ -13,20 +13,9 @@ import uvloop
 SHM = Path("/dev/shm")
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(asyncio.DefaultEventLoopPolicy, id="asyncio"),
-        pytest.param(uvloop.EventLoopPolicy, id="uvloop"),
-    ]
-)
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
-    policy = request.param()
-    return policy
-
-
-@pytest.fixture(autouse=True)
-def _asyncio_debug(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONASYNCIODEBUG", "1")
+def pytest_asyncio_loop_factories(config, item):
+    """Run every async test on the default asyncio loop and on uvloop (debug mode: pyproject)."""
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 def own_segments() -> set[str]:
