@@ -25,8 +25,6 @@ PY = VENV / "bin" / "python"
 
 
 def _ensure_venv() -> None:
-    if sys.version_info < (3, 11):
-        sys.exit(f"aioprefill needs Python 3.11+, this is {sys.version.split()[0]}")
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
     if STAMP.exists() and STAMP.read_text() == wanted and PY.exists():
         return

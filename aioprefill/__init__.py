@@ -1,1 +1,42 @@
-"""aioprefill: forward-aware prefill batching for asyncio servers."""
+"""aioprefill: forward-aware prefill batching for asyncio servers.
+
+async with Engine(EngineConfig(model=PaddleModel(seed=0), num_workers=2)) as engine:
+    result = await engine.prefill(token_ids)
+"""
+
+from aioprefill.config import EngineConfig, PaddleModel, SimModel
+from aioprefill.errors import (
+    AioprefillError,
+    EngineClosed,
+    EngineOverloaded,
+    ForwardFailed,
+    InvalidConfig,
+    InvalidRequest,
+    InvalidRequestType,
+    ProtocolError,
+    WorkerCrashed,
+    WorkerStartFailed,
+)
+from aioprefill.loop import Engine
+from aioprefill.result import PrefillResult
+from aioprefill.stats import EngineStats
+
+__all__ = [
+    "AioprefillError",
+    "Engine",
+    "EngineClosed",
+    "EngineConfig",
+    "EngineOverloaded",
+    "EngineStats",
+    "ForwardFailed",
+    "InvalidConfig",
+    "InvalidRequest",
+    "InvalidRequestType",
+    "PaddleModel",
+    "PrefillResult",
+    "ProtocolError",
+    "SimModel",
+    "WorkerCrashed",
+    "WorkerStartFailed",
+]
+__version__ = "0.1.0"

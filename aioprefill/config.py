@@ -27,15 +27,21 @@ def _require(ok: bool, name: str, why: str) -> None:
 
 def _positive_int(value: object, name: str, *, allow_zero: bool = False) -> None:
     _require(
-        isinstance(value, int) and not isinstance(value, bool), name, f"must be an int, got {value!r}"
+        isinstance(value, int) and not isinstance(value, bool),
+        name,
+        f"must be an int, got {value!r}",
     )
     assert isinstance(value, int)
-    _require(value >= (0 if allow_zero else 1), name, f"must be >= {0 if allow_zero else 1}, got {value}")
+    _require(
+        value >= (0 if allow_zero else 1), name, f"must be >= {0 if allow_zero else 1}, got {value}"
+    )
 
 
 def _finite_nonneg(value: object, name: str) -> None:
     _require(
-        isinstance(value, (int, float)) and not isinstance(value, bool), name, f"must be a number, got {value!r}"
+        isinstance(value, (int, float)) and not isinstance(value, bool),
+        name,
+        f"must be a number, got {value!r}",
     )
     assert isinstance(value, (int, float))
     _require(math.isfinite(value) and value >= 0, name, f"must be finite and >= 0, got {value}")
@@ -54,6 +60,11 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
     attn_ns: float = 0.0
     vocab_size: int = 32000
     max_position_embeddings: int = 1 << 20
+    # Fault injection for tests and drills: a forward whose batch holds this token id raises
+    # (fail_token), kills its worker process (crash_token), or hangs for an hour (hang_token).
+    fail_token: int = -1
+    crash_token: int = -1
+    hang_token: int = -1
 
     def __post_init__(self) -> None:
         for name in ("fixed_ms", "per_token_us", "attn_ns"):
@@ -65,7 +76,9 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
         """The cost model: how long one forward over these (chunk) lengths sleeps."""
         tokens = sum(seq_lens)
         square = sum(n * n for n in seq_lens)
-        return self.fixed_ms * 1e-3 + self.per_token_us * 1e-6 * tokens + self.attn_ns * 1e-9 * square
+        return (
+            self.fixed_ms * 1e-3 + self.per_token_us * 1e-6 * tokens + self.attn_ns * 1e-9 * square
+        )
 
 
 class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
@@ -158,6 +171,10 @@ class EngineConfig:
     restart_window_s: float = 60.0
     # Bytes per shared-memory ring; None sizes it from the batch budgets.
     ring_capacity: int | None = None
+    # "spawn" | "forkserver"; None: forkserver with paddle preloaded for PaddleModel, else spawn.
+    start_method: str | None = None
+    # On a clean exit from `async with`, wait this long for accepted requests to finish.
+    shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _require(
@@ -197,12 +214,19 @@ class EngineConfig:
         _finite_nonneg(self.worker_start_timeout_s, "EngineConfig.worker_start_timeout_s")
         _positive_int(self.max_restarts, "EngineConfig.max_restarts", allow_zero=True)
         _finite_nonneg(self.restart_window_s, "EngineConfig.restart_window_s")
+        _require(
+            self.start_method in (None, "spawn", "forkserver"),
+            "EngineConfig.start_method",
+            f"must be None, 'spawn' or 'forkserver' (never 'fork'); got {self.start_method!r}",
+        )
+        _finite_nonneg(self.shutdown_timeout_s, "EngineConfig.shutdown_timeout_s")
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(
                 self.ring_capacity >= self.min_ring_capacity(),
                 "EngineConfig.ring_capacity",
-                f"{self.ring_capacity} bytes cannot hold a full batch; need >= {self.min_ring_capacity()}",
+                f"{self.ring_capacity} bytes cannot hold a full batch; "
+                f"need >= {self.min_ring_capacity()}",
             )
 
     def min_ring_capacity(self) -> int:

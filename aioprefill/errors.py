@@ -1,16 +1,16 @@
 """The exception tree. Every error aioprefill raises on purpose derives from `AioprefillError`.
 
-    AioprefillError
-    ├── InvalidConfig(ValueError)         an EngineConfig / model field is wrong
-    ├── InvalidRequest(ValueError)        a prompt was refused before anything was queued
-    │   └── InvalidRequestType(TypeError) ... because of its type (not a list/1-D int array)
-    ├── EngineOverloaded                  max_pending requests already wait
-    ├── EngineClosed(RuntimeError)        the engine is closing or closed
-    ├── WorkerCrashed                     the worker running the request died (after retries)
-    ├── WorkerStartFailed                 a worker could not start (or keeps dying)
-    ├── ForwardFailed(RuntimeError)       the model raised inside a forward; carries its message
-    └── ProtocolError                     bytes in shared memory or on the wire are malformed
-        └── FrameTooLarge(ValueError)     a frame does not fit in the ring at all
+AioprefillError
+├── InvalidConfig(ValueError)         an EngineConfig / model field is wrong
+├── InvalidRequest(ValueError)        a prompt was refused before anything was queued
+│   └── InvalidRequestType(TypeError) ... because of its type (not a list/1-D int array)
+├── EngineOverloaded                  max_pending requests already wait
+├── EngineClosed(RuntimeError)        the engine is closing or closed
+├── WorkerCrashed                     the worker running the request died (after retries)
+├── WorkerStartFailed                 a worker could not start (or keeps dying)
+├── ForwardFailed(RuntimeError)       the model raised inside a forward; carries its message
+└── ProtocolError                     bytes in shared memory or on the wire are malformed
+    └── FrameTooLarge(ValueError)     a frame does not fit in the ring at all
 """
 
 from __future__ import annotations

@@ -12,11 +12,14 @@ released as soon as `decode()` returns.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 
 from aioprefill.config import PaddleModel, SimModel
 from aioprefill.errors import ProtocolError
+from aioprefill.shm.channel import ChannelSpec
 
 __all__ = [
     "BatchFailed",
@@ -45,8 +48,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     worker: int
     model: SimModel | PaddleModel
-    to_worker_ring: str
-    from_worker_ring: str
+    to_worker: ChannelSpec
+    from_worker: ChannelSpec
     engine_pid: int
 
 
@@ -144,7 +147,11 @@ class BatchResult(msgspec.Struct, tag=True, array_like=True):
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = len(self.request_ids) // 8
-        if len(self.request_ids) != 8 * k or len(self.tokens) != 4 * k or len(self.logprobs) != 8 * k:
+        if (
+            len(self.request_ids) != 8 * k
+            or len(self.tokens) != 4 * k
+            or len(self.logprobs) != 8 * k
+        ):
             raise ProtocolError(f"BatchResult columns disagree on the result count ({k})")
         return (
             np.frombuffer(self.request_ids, dtype="<i8"),
@@ -166,8 +173,8 @@ class BatchFailed(msgspec.Struct, tag=True, array_like=True):
 FromWorker = Ready | StartFailed | BatchResult | BatchFailed
 
 _encoder = msgspec.msgpack.Encoder()
-_to_worker = msgspec.msgpack.Decoder(ToWorker)  # type: ignore[arg-type]
-_from_worker = msgspec.msgpack.Decoder(FromWorker)  # type: ignore[arg-type]
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_from_worker = msgspec.msgpack.Decoder(FromWorker)
 _spec_decoder = msgspec.msgpack.Decoder(WorkerSpec)
 
 
@@ -181,7 +188,7 @@ def encode_into(msg: msgspec.Struct, buffer: bytearray) -> memoryview:
     return memoryview(buffer)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview, what: str):  # type: ignore[type-arg]
+def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes | memoryview, what: str) -> Any:
     try:
         return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -189,12 +196,12 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview, what: st
 
 
 def decode_to_worker(data: bytes | memoryview) -> PrefillBatch | Shutdown:
-    return _decode(_to_worker, data, "engine->worker")  # type: ignore[no-any-return]
+    return _decode(_to_worker, data, "engine->worker")
 
 
 def decode_from_worker(data: bytes | memoryview) -> Ready | StartFailed | BatchResult | BatchFailed:
-    return _decode(_from_worker, data, "worker->engine")  # type: ignore[no-any-return]
+    return _decode(_from_worker, data, "worker->engine")
 
 
 def decode_worker_spec(data: bytes) -> WorkerSpec:
-    return _decode(_spec_decoder, data, "worker spec")  # type: ignore[no-any-return]
+    return _decode(_spec_decoder, data, "worker spec")

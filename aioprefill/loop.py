@@ -1,0 +1,753 @@
+"""`Engine`: forward-aware prefill batching on one asyncio event loop.
+
+Every piece of scheduling state (the pending queue, each worker's in-flight batches, the
+callers' futures) belongs to the event loop that entered the engine, and is touched only from
+its callbacks: no threads, no locks. The engine never polls: it reacts to three kinds of
+event, each an fd or a timer on the loop:
+
+- a caller's `prefill()` (a request joins the pending queue; an idle worker gets it at once),
+- a worker's forward-done eventfd (its results are read; with policy ``forward`` the worker is
+  handed the whole pending batch *before* any future is resolved, so the gap between its
+  forwards is one wake-up),
+- a worker's process sentinel (it died: its in-flight requests are retried or failed, and it is
+  restarted), plus the one-shot timers of the ``timeout`` policy and of `forward_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from aioprefill import protocol
+from aioprefill.config import EngineConfig
+from aioprefill.errors import (
+    AioprefillError,
+    EngineClosed,
+    EngineOverloaded,
+    ForwardFailed,
+    ProtocolError,
+    WorkerCrashed,
+    WorkerStartFailed,
+)
+from aioprefill.policy import Budget, Chunk, Request, chunk_spans, is_full, least_loaded, take_batch
+from aioprefill.protocol import FLAG_FIRST_CHUNK, FLAG_LAST_CHUNK, BatchFailed, BatchResult
+from aioprefill.result import PrefillResult
+from aioprefill.shm.segments import cleanup_stale_segments
+from aioprefill.stats import EngineStats, StatsRecorder
+from aioprefill.validate import validate_prompt
+from aioprefill.workers.process import WorkerHandle, set_once
+
+__all__ = ["Engine"]
+
+log = logging.getLogger("aioprefill")
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    batch_id: int
+    chunks: list[Chunk]
+    num_tokens: int
+    dispatched_ns: int
+    backlogged: bool  # work was waiting when it was sent: the gap before it is a bubble
+
+
+@dataclass(slots=True, eq=False)
+class _Worker:
+    index: int
+    handle: WorkerHandle | None = None
+    in_flight: deque[_Batch] = field(default_factory=deque)
+    free_ids: list[int] = field(default_factory=list)  # KV state to drop with the next batch
+    ready: bool = False
+    ring_full: bool = False  # the last send found no room: wait for its next result
+    last_forward_end_ns: int = 0
+    timer: asyncio.TimerHandle | None = None
+    deaths: deque[float] = field(default_factory=deque)
+    gave_up: bool = False  # died too often: no more restarts
+
+    @property
+    def usable(self) -> bool:
+        return self.ready and not self.ring_full
+
+
+class Engine:
+    """A prefill node: `async with Engine(config) as engine: await engine.prefill(tokens)`."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            raise TypeError("pass either an EngineConfig or keyword fields, not both")
+        self.config = config
+        self._budget = Budget(
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_size=config.max_batch_size,
+            chunked=config.enable_chunked_prefill,
+        )
+        self._vocab_size = config.model.vocab_size
+        self._state = _State.NEW
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._workers = [_Worker(i) for i in range(config.num_workers)]
+        self._pending: deque[Request] = deque()
+        self._num_pending = 0  # requests not yet fully dispatched and not cancelled
+        self._pending_tokens = 0
+        self._num_in_flight = 0  # accepted requests whose future is not yet resolved
+        self._room_waiters: deque[asyncio.Future[None]] = deque()
+        self._idle_waiter: asyncio.Future[None] | None = None
+        self._ids = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+        self._encode_buffer = bytearray(1 << 16)
+        self._timeout_timer: asyncio.TimerHandle | None = None
+        self._restart_tasks: set[asyncio.Task[None]] = set()
+        self._broken: AioprefillError | None = None
+        self._stats = StatsRecorder()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        await self.close(drain=exc_type is None)
+
+    async def start(self) -> None:
+        """Start every worker and wait until each reports ready."""
+        if self._state is not _State.NEW:
+            raise EngineClosed(f"engine cannot start: it is {self._state.value}")
+        self._state = _State.STARTING
+        self._loop = asyncio.get_running_loop()
+        cleanup_stale_segments()
+        try:
+            await asyncio.gather(*(self._start_worker(w) for w in self._workers))
+        except BaseException:
+            for w in self._workers:
+                self._discard_worker(w, kill=True)
+            self._state = _State.CLOSED
+            raise
+        self._state = _State.RUNNING
+
+    async def _start_worker(self, w: _Worker) -> None:
+        handle = WorkerHandle(w.index, self.config)
+        w.handle = handle
+        try:
+            handle.start()
+            await handle.wait_ready(self.config.worker_start_timeout_s)
+        except BaseException:
+            self._discard_worker(w, kill=True)
+            raise
+        assert self._loop is not None and handle.outbox is not None
+        self._loop.add_reader(handle.outbox.fds()[0], self._on_worker_readable, w)
+        self._loop.add_reader(handle.sentinel, self._on_worker_exit, w)
+        w.ready = True
+        w.ring_full = False
+        w.last_forward_end_ns = 0
+        log.debug("worker %d ready (pid %d)", w.index, handle.pid)
+
+    async def close(self, *, drain: bool = True) -> None:
+        """Stop accepting work, finish (or fail) what was accepted, stop the workers.
+
+        With `drain`, accepted requests get up to `shutdown_timeout_s` to finish; whatever is
+        left then fails with `EngineClosed`. Leaves no worker process and no shared memory.
+        """
+        if self._state in (_State.CLOSING, _State.CLOSED):
+            return
+        self._state = _State.CLOSING
+        if drain and self._num_in_flight and self._broken is None:
+            self._idle_waiter = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle_waiter, self.config.shutdown_timeout_s)
+        self._fail_everything(EngineClosed("engine closed before this request finished"))
+        for task in self._restart_tasks:
+            task.cancel()
+        for w in self._workers:
+            self._cancel_timer(w)
+            if w.ready and w.handle is not None and w.handle.inbox is not None:
+                with contextlib.suppress(Exception):
+                    w.handle.inbox.send_nowait(protocol.encode(protocol.Shutdown()))
+        await self._reap_workers(timeout=5.0)
+        if self._timeout_timer is not None:
+            self._timeout_timer.cancel()
+        self._state = _State.CLOSED
+
+    async def _reap_workers(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for w in self._workers:
+            handle = w.handle
+            if handle is None or handle.process is None:
+                continue
+            self._unwatch(w)
+            if handle.is_alive():
+                exited: asyncio.Future[None] = loop.create_future()
+                loop.add_reader(handle.sentinel, set_once, exited)
+                try:
+                    await asyncio.wait_for(exited, max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    handle.kill()
+                finally:
+                    loop.remove_reader(handle.sentinel)
+            self._discard_worker(w, kill=True)
+
+    def _discard_worker(self, w: _Worker, *, kill: bool) -> None:
+        """Forget a worker's process and channels (its in-flight work must be handled first)."""
+        w.ready = False
+        self._cancel_timer(w)
+        handle, w.handle = w.handle, None
+        if handle is None:
+            return
+        self._unwatch_handle(handle)
+        if kill:
+            handle.kill()
+        if handle.process is not None:
+            handle.process.join(timeout=5.0)
+        handle.close()
+
+    def _unwatch(self, w: _Worker) -> None:
+        if w.handle is not None:
+            self._unwatch_handle(w.handle)
+
+    def _unwatch_handle(self, handle: WorkerHandle) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+        if handle.outbox is not None:
+            self._loop.remove_reader(handle.outbox.fds()[0])
+        if handle.process is not None and handle.process.pid is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(handle.sentinel)
+
+    # ---- public API ----------------------------------------------------------------------
+
+    async def prefill(self, tokens: Any, *, wait: bool = False) -> PrefillResult:
+        """Run the prefill of one prompt; return its greedy next token and timings.
+
+        Raises `InvalidRequest` for a bad prompt and, past `max_pending` waiting requests,
+        `EngineOverloaded` — or, with `wait=True`, waits for room instead.
+        """
+        self._check_open()
+        prompt = validate_prompt(tokens, self._vocab_size, self.config.max_prompt_tokens or 0)
+        if self._num_pending >= self.config.max_pending:
+            if not wait:
+                self._stats.rejected += 1
+                raise EngineOverloaded(
+                    f"{self._num_pending} requests already pending (max_pending="
+                    f"{self.config.max_pending}); retry later or pass wait=True"
+                )
+            await self._wait_for_room()
+        assert self._loop is not None
+        future: asyncio.Future[PrefillResult] = self._loop.create_future()
+        req = Request(
+            request_id=next(self._ids),
+            tokens=prompt,
+            submitted_ns=time.monotonic_ns(),
+            handle=future,
+        )
+        self._pending.append(req)
+        self._num_pending += 1
+        self._pending_tokens += req.num_tokens
+        self._num_in_flight += 1
+        self._stats.submitted += 1
+        self._schedule()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._cancel(req)
+            raise
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of the live worker processes, by worker index."""
+        return [w.handle.pid for w in self._workers if w.handle is not None]
+
+    def stats(self) -> EngineStats:
+        """Counters and recent distributions (batch size/tokens, queue time, bubble)."""
+        return self._stats.snapshot(pending=self._num_pending, in_flight=self._num_in_flight)
+
+    @property
+    def is_running(self) -> bool:
+        return self._state is _State.RUNNING
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._state is not _State.RUNNING:
+            hint = (
+                " (use `async with Engine(config) as engine`)" if self._state is _State.NEW else ""
+            )
+            raise EngineClosed(f"engine is {self._state.value}{hint}")
+        if self._broken is not None:
+            raise self._broken
+
+    async def _wait_for_room(self) -> None:
+        assert self._loop is not None
+        while self._num_pending >= self.config.max_pending:
+            waiter: asyncio.Future[None] = self._loop.create_future()
+            self._room_waiters.append(waiter)
+            await waiter
+            self._check_open()
+
+    def _wake_room_waiters(self) -> None:
+        room = self.config.max_pending - self._num_pending
+        while room > 0 and self._room_waiters:
+            waiter = self._room_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                room -= 1
+
+    def _cancel(self, req: Request) -> None:
+        """The caller went away: drop the request wherever it is."""
+        if req.cancelled:
+            return
+        req.cancelled = True
+        self._stats.cancelled += 1
+        self._num_in_flight -= 1
+        if req.next_pos < req.num_tokens:  # still (partly) pending: leaves the queue lazily
+            self._num_pending -= 1
+            self._pending_tokens -= req.remaining
+            self._wake_room_waiters()
+        between_chunks = req.worker >= 0 and 0 < req.next_pos < req.num_tokens
+        if between_chunks and not req.chunk_in_flight:  # its KV cache waits there: drop it
+            self._workers[req.worker].free_ids.append(req.request_id)
+        self._maybe_idle()
+
+    # ---- dispatch ----------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        """Hand pending work to workers as the policy allows. Cheap when nothing can move."""
+        if not self._num_pending:
+            return
+        policy = self.config.policy
+        if policy == "forward":
+            for w in self._workers:
+                if not self._num_pending:
+                    break
+                if w.usable and not w.in_flight:
+                    self._dispatch(w, backlogged=False)
+        elif policy == "eager":
+            self._dispatch_eager()
+        else:
+            self._schedule_timeout()
+
+    def _dispatch(self, w: _Worker, *, backlogged: bool) -> bool:
+        chunks = take_batch(self._pending, w.index, self._budget)
+        if not chunks:
+            return False
+        return self._send(w, chunks, backlogged=backlogged)
+
+    def _dispatch_eager(self) -> None:
+        """Send each pending request on its own, at once, to the least-loaded worker."""
+        while self._pending:
+            req = self._pending[0]
+            if req.cancelled:
+                self._pending.popleft()
+                continue
+            target = self._least_loaded()
+            if target is None:
+                return
+            self._pending.popleft()
+            spans = (
+                chunk_spans(req.num_tokens, self._budget.max_batch_tokens)
+                if self._budget.is_long(req)
+                else [(0, req.num_tokens)]
+            )
+            # A long prompt's chunks all queue at one worker, in order.
+            req.worker = target.index if len(spans) > 1 else -1
+            req.next_pos = req.num_tokens
+            req.num_chunks = len(spans)
+            for k, (start, end) in enumerate(spans):
+                if not self._send(
+                    target, [Chunk(req, start, end)], backlogged=bool(target.in_flight)
+                ):
+                    # Ring full: the remaining chunks go back to the front of the queue.
+                    req.next_pos, req.num_chunks = start, k
+                    if k == 0:
+                        req.worker = -1
+                    self._pending.appendleft(req)
+                    return
+
+    def _schedule_timeout(self) -> None:
+        """Seal a batch when it is full; otherwise make sure a timer will seal it."""
+        while self._num_pending and is_full(self._num_pending, self._pending_tokens, self._budget):
+            if not self._seal_timeout_batch():
+                return
+        self._arm_timeout_timer()
+
+    def _seal_timeout_batch(self) -> bool:
+        target = self._least_loaded()
+        if target is None:
+            return False
+        return self._dispatch(target, backlogged=bool(target.in_flight))
+
+    def _arm_timeout_timer(self) -> None:
+        if self._timeout_timer is not None or not self._num_pending:
+            return
+        oldest = next((r for r in self._pending if not r.cancelled and not r.chunk_in_flight), None)
+        if oldest is None:
+            return  # only chunks in flight: their results re-arm the timer
+        assert self._loop is not None
+        due_ns = oldest.submitted_ns + int(self.config.batch_timeout_ms * 1e6)
+        delay = max(0.0, (due_ns - time.monotonic_ns()) / 1e9)
+        self._timeout_timer = self._loop.call_later(delay, self._on_timeout_timer)
+
+    def _on_timeout_timer(self) -> None:
+        self._timeout_timer = None
+        if self._state not in (_State.RUNNING, _State.CLOSING):
+            return
+        self._seal_timeout_batch()
+        self._schedule_timeout()
+
+    def _least_loaded(self) -> _Worker | None:
+        idx = least_loaded(
+            [len(w.in_flight) for w in self._workers], [w.usable for w in self._workers]
+        )
+        return self._workers[idx] if idx >= 0 else None
+
+    def _send(self, w: _Worker, chunks: list[Chunk], *, backlogged: bool) -> bool:
+        """Encode `chunks` as one PrefillBatch into `w`'s ring. On a full ring, undo and say so."""
+        assert w.handle is not None and w.handle.inbox is not None
+        n = len(chunks)
+        ids = np.empty(n, dtype="<i8")
+        lens = np.empty(n + 1, dtype="<i4")
+        start_pos = np.empty(n, dtype="<i4")
+        flags = np.empty(n, dtype=np.uint8)
+        lens[0] = 0
+        for i, c in enumerate(chunks):
+            ids[i] = c.request.request_id
+            lens[i + 1] = c.end - c.start
+            start_pos[i] = c.start
+            flags[i] = (FLAG_FIRST_CHUNK if c.start == 0 else 0) | (
+                FLAG_LAST_CHUNK if c.is_last else 0
+            )
+        offsets = np.cumsum(lens, dtype="<i4")
+        if n == 1:
+            tokens = chunks[0].request.tokens[chunks[0].start : chunks[0].end]
+        else:
+            tokens = np.concatenate([c.request.tokens[c.start : c.end] for c in chunks])
+        batch_id = next(self._batch_ids)
+        now = time.monotonic_ns()
+        msg = protocol.PrefillBatch(
+            batch_id=batch_id,
+            request_ids=ids.tobytes(),
+            offsets=offsets.tobytes(),
+            tokens=tokens.tobytes(),
+            start_pos=start_pos.tobytes(),
+            flags=flags.tobytes(),
+            free_ids=np.asarray(w.free_ids, dtype="<i8").tobytes() if w.free_ids else b"",
+            sent_ns=now,
+        )
+        if not w.handle.inbox.send_nowait(protocol.encode_into(msg, self._encode_buffer)):
+            self._undo(chunks)
+            w.ring_full = True
+            return False
+        w.free_ids = []
+        num_tokens = int(offsets[-1])
+        batch = _Batch(batch_id, chunks, num_tokens, now, backlogged)
+        if not w.in_flight:
+            self._arm_forward_timer(w)
+        w.in_flight.append(batch)
+        for c in chunks:
+            if c.is_last:
+                self._num_pending -= 1
+            self._pending_tokens -= c.num_tokens
+        self._stats.batches += 1
+        self._stats.tokens += num_tokens
+        self._stats.batch_size.add(n)
+        self._stats.batch_tokens.add(num_tokens)
+        self._wake_room_waiters()
+        return True
+
+    def _undo(self, chunks: list[Chunk]) -> None:
+        """Put a batch that could not be sent back where `take_batch` found it."""
+        for c in reversed(chunks):
+            req = c.request
+            req.next_pos = c.start
+            req.num_chunks -= 1
+            req.chunk_in_flight = False
+            if c.start == 0:
+                req.worker = -1
+            if c.is_last:  # take_batch removed it from the queue
+                self._pending.appendleft(req)
+
+    # ---- results ----------------------------------------------------------------------------
+
+    def _on_worker_readable(self, w: _Worker) -> None:
+        """Forward-done: read every message the worker wrote, then act on each."""
+        handle = w.handle
+        if handle is None or handle.outbox is None:
+            return
+        outbox = handle.outbox
+        outbox.wait_blocking(0)  # consume the eventfd count
+        while w.handle is handle and (view := outbox.recv_nowait()) is not None:
+            try:
+                msg = protocol.decode_from_worker(view)
+            except ProtocolError as exc:
+                self._stats.protocol_errors += 1
+                log.warning("worker %d sent a malformed message: %s", w.index, exc)
+                continue
+            finally:
+                outbox.release()
+            if isinstance(msg, (BatchResult, BatchFailed)):
+                self._on_batch_done(w, msg)
+            else:
+                self._stats.protocol_errors += 1
+                log.warning("worker %d sent an unexpected %s", w.index, type(msg).__name__)
+
+    def _on_batch_done(self, w: _Worker, msg: BatchResult | BatchFailed) -> None:
+        if not w.in_flight or w.in_flight[0].batch_id != msg.batch_id:
+            self._stats.protocol_errors += 1
+            log.warning("worker %d answered unknown batch %d", w.index, msg.batch_id)
+            return
+        batch = w.in_flight.popleft()
+        self._cancel_timer(w)
+        if w.in_flight:
+            self._arm_forward_timer(w)
+        if batch.backlogged and w.last_forward_end_ns:
+            self._stats.bubble_us.add((msg.forward_start_ns - w.last_forward_end_ns) / 1e3)
+        w.last_forward_end_ns = msg.forward_end_ns
+        w.ring_full = False
+        for c in batch.chunks:  # continuation chunks become eligible for the next batch
+            if not c.is_last:
+                c.request.chunk_in_flight = False
+                if c.request.cancelled:
+                    w.free_ids.append(c.request.request_id)
+        # Next batch first: every microsecond spent here before the ring write is bubble.
+        if self._state in (_State.RUNNING, _State.CLOSING) and self._num_pending:
+            if self.config.policy == "forward":
+                if not w.in_flight:
+                    self._dispatch(w, backlogged=True)
+            else:
+                self._schedule()
+        if isinstance(msg, BatchFailed):
+            self._fail_batch(w, batch, msg)
+        else:
+            self._resolve_batch(w, batch, msg)
+        self._maybe_idle()
+
+    def _resolve_batch(self, w: _Worker, batch: _Batch, msg: BatchResult) -> None:
+        try:
+            ids, tokens, logprobs = msg.arrays()
+        except ProtocolError as exc:
+            self._stats.protocol_errors += 1
+            self._fail_requests([c.request for c in batch.chunks if c.is_last], exc)
+            return
+        finished_ns = time.monotonic_ns()
+        k = 0
+        size = len(batch.chunks)
+        for c in batch.chunks:
+            if not c.is_last:
+                continue
+            req = c.request
+            if k >= len(ids) or int(ids[k]) != req.request_id:
+                # The worker's answer does not line up with what we sent: never guess.
+                self._stats.protocol_errors += 1
+                self._fail_requests([req], ProtocolError("worker result does not match its batch"))
+                k += 1
+                continue
+            future = req.handle
+            if not future.done():
+                self._stats.queue_us.add((msg.forward_start_ns - req.submitted_ns) / 1e3)
+                future.set_result(
+                    PrefillResult(
+                        request_id=req.request_id,
+                        token=int(tokens[k]),
+                        logprob=float(logprobs[k]),
+                        worker=w.index,
+                        batch_id=batch.batch_id,
+                        batch_size=size,
+                        batch_tokens=batch.num_tokens,
+                        num_tokens=req.num_tokens,
+                        num_chunks=req.num_chunks,
+                        submitted_ns=req.submitted_ns,
+                        dispatched_ns=batch.dispatched_ns,
+                        forward_start_ns=msg.forward_start_ns,
+                        forward_end_ns=msg.forward_end_ns,
+                        finished_ns=finished_ns,
+                    )
+                )
+                self._stats.completed += 1
+                self._num_in_flight -= 1
+            k += 1
+        if k != len(ids):
+            self._stats.protocol_errors += 1
+
+    def _fail_batch(self, w: _Worker, batch: _Batch, msg: BatchFailed) -> None:
+        error = ForwardFailed(
+            f"worker {w.index} failed batch {batch.batch_id}: {msg.message}",
+            worker=w.index,
+            error_type=msg.error_type,
+        )
+        # The worker already dropped the state of every request in the batch.
+        self._fail_requests([c.request for c in batch.chunks], error)
+
+    def _fail_requests(self, requests: list[Request], error: BaseException) -> None:
+        for req in requests:
+            if req.next_pos < req.num_tokens and not req.cancelled:
+                self._num_pending -= 1  # a chunked prompt still queued: drop its remainder
+                self._pending_tokens -= req.remaining
+            req.cancelled = True
+            future = req.handle
+            if not future.done():
+                future.set_exception(error)
+                self._stats.failed += 1
+                self._num_in_flight -= 1
+
+    # ---- worker failures --------------------------------------------------------------------
+
+    def _arm_forward_timer(self, w: _Worker) -> None:
+        timeout = self.config.forward_timeout_s
+        if timeout is not None and self._loop is not None:
+            w.timer = self._loop.call_later(timeout, self._on_forward_timeout, w)
+
+    def _cancel_timer(self, w: _Worker) -> None:
+        if w.timer is not None:
+            w.timer.cancel()
+            w.timer = None
+
+    def _on_forward_timeout(self, w: _Worker) -> None:
+        w.timer = None
+        if w.handle is not None:
+            log.error(
+                "worker %d: forward exceeded %.1f s; killing it",
+                w.index,
+                self.config.forward_timeout_s,
+            )
+            w.handle.kill()  # its sentinel fires next: handled as a death
+
+    def _on_worker_exit(self, w: _Worker) -> None:
+        handle = w.handle
+        if handle is None:
+            return
+        self._on_worker_readable(w)  # results it wrote before dying still count
+        code = handle.process.exitcode if handle.process is not None else None
+        log.error("worker %d (pid %d) died with exit code %s", w.index, handle.pid, code)
+        self._discard_worker(w, kill=False)
+        w.ring_full = False
+        lost, w.in_flight = w.in_flight, deque()
+        w.free_ids = []
+        self._recover_requests(w, lost, code)
+        if self._state is _State.RUNNING:
+            self._restart_later(w)
+        self._schedule()
+        self._maybe_idle()
+
+    def _recover_requests(self, w: _Worker, lost: deque[_Batch], exitcode: int | None) -> None:
+        """Retry (up to max_retries) or fail the requests a dead worker held."""
+        seen: set[int] = set()
+        requeue: list[Request] = []
+        for batch in lost:
+            for c in batch.chunks:
+                req = c.request
+                if req.request_id in seen:
+                    continue
+                seen.add(req.request_id)
+                self._restart_request(req, requeue, exitcode)
+        # Chunked prompts queued between chunks lost their KV cache with the worker.
+        for req in self._pending:
+            if req.worker == w.index and req.request_id not in seen and not req.cancelled:
+                seen.add(req.request_id)
+                self._restart_request(req, requeue, exitcode, queued=True)
+        for req in reversed(requeue):
+            self._pending.appendleft(req)
+
+    def _restart_request(
+        self, req: Request, requeue: list[Request], exitcode: int | None, *, queued: bool = False
+    ) -> None:
+        if req.cancelled or req.handle.done():
+            return
+        if req.attempts >= self.config.max_retries or self._state is not _State.RUNNING:
+            self._fail_requests(
+                [req],
+                WorkerCrashed(
+                    f"worker {req.worker if req.worker >= 0 else '?'} died (exit code {exitcode}) "
+                    f"while running this request; {req.attempts} retries used"
+                ),
+            )
+            return
+        req.attempts += 1
+        self._stats.retried += 1
+        in_queue = queued or req.next_pos < req.num_tokens
+        if req.next_pos == req.num_tokens or not in_queue:
+            self._num_pending += 1
+        self._pending_tokens += req.next_pos  # its tokens all go again
+        req.next_pos = 0
+        req.worker = -1
+        req.chunk_in_flight = False
+        req.num_chunks = 0
+        if not in_queue:
+            requeue.append(req)
+
+    def _restart_later(self, w: _Worker) -> None:
+        now = time.monotonic()
+        w.deaths.append(now)
+        while w.deaths and now - w.deaths[0] > self.config.restart_window_s:
+            w.deaths.popleft()
+        if len(w.deaths) > self.config.max_restarts:
+            w.gave_up = True
+            log.error(
+                "worker %d died %d times in %.0f s: not restarting it",
+                w.index,
+                len(w.deaths),
+                self.config.restart_window_s,
+            )
+            if all(x.gave_up for x in self._workers):
+                self._broken = WorkerStartFailed(
+                    f"every worker died more than max_restarts={self.config.max_restarts} times "
+                    f"within {self.config.restart_window_s:.0f} s"
+                )
+                self._fail_everything(self._broken)
+            return
+        delay = min(5.0, 0.05 * 2 ** (len(w.deaths) - 1))
+        task = asyncio.get_running_loop().create_task(self._restart(w, delay))
+        self._restart_tasks.add(task)
+        task.add_done_callback(self._restart_tasks.discard)
+
+    async def _restart(self, w: _Worker, delay: float) -> None:
+        await asyncio.sleep(delay)  # backoff between restarts, off the hot path
+        if self._state is not _State.RUNNING:
+            return
+        try:
+            await self._start_worker(w)
+        except WorkerStartFailed as exc:
+            log.error("%s", exc)
+            self._restart_later(w)
+            return
+        self._stats.worker_restarts += 1
+        self._schedule()
+
+    def _fail_everything(self, error: AioprefillError) -> None:
+        """Fail every accepted request that has not finished (on close or when broken)."""
+        requests = [r for r in self._pending if not r.cancelled]
+        for w in self._workers:
+            for batch in w.in_flight:
+                requests.extend(c.request for c in batch.chunks)
+        self._pending.clear()
+        self._fail_requests(requests, error)
+        self._num_pending = 0
+        self._pending_tokens = 0
+        for waiter in self._room_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._room_waiters.clear()
+
+    def _maybe_idle(self) -> None:
+        if (
+            self._idle_waiter is not None
+            and self._num_in_flight == 0
+            and not self._idle_waiter.done()
+        ):
+            self._idle_waiter.set_result(None)

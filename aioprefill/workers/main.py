@@ -1,0 +1,154 @@
+"""The worker process: attach the channels, load the model, report ready, serve batches.
+
+The loop blocks in `poll()` on two fds: the inbound channel's eventfd (a batch is waiting) and
+a pidfd of the engine (the engine died: exit rather than linger as an orphan). Each batch is
+decoded (copied out of the ring, whose slot is released at once), run through the model, and
+answered with one `BatchResult` — or `BatchFailed` when the model raised — whose eventfd write
+tells the engine that this forward is done. Nothing here sleeps or polls on a timer.
+
+Heavy imports (paddle) happen here, inside the child, never in the engine process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import time
+import traceback
+
+import numpy as np
+
+from aioprefill import protocol
+from aioprefill.protocol import BatchFailed, BatchResult, PrefillBatch, Ready, Shutdown, StartFailed
+from aioprefill.shm.channel import Channel
+from aioprefill.workers.runner import ForwardBatch, ModelRunner
+
+__all__ = ["make_runner", "worker_main"]
+
+
+def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
+    from aioprefill.config import PaddleModel
+
+    if isinstance(spec.model, PaddleModel):
+        from aioprefill.workers.paddle_runner import PaddleRunner
+
+        return PaddleRunner(spec.model, spec.worker)
+    from aioprefill.workers.sim import SimRunner
+
+    return SimRunner(spec.model)
+
+
+def _set_process_name(name: str) -> None:
+    """Name the process for `ps`/`top` (Linux truncates to 15 bytes)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+def worker_main(spec_bytes: bytes, to_fds: tuple[int, int], from_fds: tuple[int, int]) -> None:
+    """Entry point of a worker process (the target of `multiprocessing.Process`)."""
+    started_ns = time.monotonic_ns()
+    spec = protocol.decode_worker_spec(spec_bytes)
+    _set_process_name(f"aioprefill-w{spec.worker}")
+    # Ctrl-C in the terminal reaches the whole process group: let the engine decide.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    inbox = Channel.attach(spec.to_worker, *to_fds)
+    outbox = Channel.attach(spec.from_worker, *from_fds)
+    try:
+        _serve(spec, inbox, outbox, started_ns)
+    finally:
+        inbox.close()
+        outbox.close()
+
+
+def _serve(spec: protocol.WorkerSpec, inbox: Channel, outbox: Channel, started_ns: int) -> None:
+    try:
+        runner = make_runner(spec)
+    except Exception as exc:  # report why, then exit: the engine raises WorkerStartFailed
+        msg = StartFailed(worker=spec.worker, error_type=type(exc).__name__, message=str(exc))
+        outbox.send_blocking(protocol.encode(msg), timeout=5.0)
+        return
+    ready = Ready(
+        worker=spec.worker,
+        pid=os.getpid(),
+        device=runner.device,
+        started_ns=started_ns,
+        ready_ns=time.monotonic_ns(),
+    )
+    outbox.send_blocking(protocol.encode(ready))
+    _serve_batches(spec, runner, inbox, outbox)
+
+
+def _serve_batches(
+    spec: protocol.WorkerSpec, runner: ModelRunner, inbox: Channel, outbox: Channel
+) -> None:
+    poller = select.poll()
+    data_fd = inbox.fds()[0]
+    poller.register(data_fd, select.POLLIN)
+    try:
+        engine_fd = os.pidfd_open(spec.engine_pid)
+    except (OSError, AttributeError):
+        engine_fd = -1  # engine already gone, or no pidfd: rely on the ring's Shutdown
+    else:
+        poller.register(engine_fd, select.POLLIN)
+    out_buffer = bytearray(1 << 16)
+    try:
+        while True:
+            for fd, _ in poller.poll():
+                if fd == engine_fd:
+                    return  # the engine died: nobody will read our results
+            inbox.wait_blocking(0)  # consume the eventfd count
+            while (view := inbox.recv_nowait()) is not None:
+                try:
+                    msg = protocol.decode_to_worker(view)
+                finally:
+                    inbox.release()
+                if isinstance(msg, Shutdown):
+                    return
+                reply = _run_batch(runner, msg)
+                outbox.send_blocking(protocol.encode_into(reply, out_buffer))
+    finally:
+        if engine_fd >= 0:
+            os.close(engine_fd)
+
+
+def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFailed:
+    start_ns = time.monotonic_ns()
+    try:
+        ids, offsets, tokens, start_pos, flags = msg.arrays()
+        free_ids = msg.free_array()
+        if len(free_ids):
+            runner.free(free_ids)
+        batch = ForwardBatch(
+            request_ids=ids,
+            offsets=offsets,
+            tokens=tokens,
+            start_pos=start_pos,
+            is_last=(flags & protocol.FLAG_LAST_CHUNK).astype(bool),
+        )
+        start_ns = time.monotonic_ns()
+        out = runner.forward(batch)
+        end_ns = time.monotonic_ns()
+    except Exception as exc:
+        end_ns = time.monotonic_ns()
+        with contextlib.suppress(Exception):
+            runner.free(np.frombuffer(msg.request_ids, dtype="<i8"))
+        tb = traceback.format_exception_only(exc)[-1].strip()
+        return BatchFailed(
+            batch_id=msg.batch_id,
+            forward_start_ns=start_ns,
+            forward_end_ns=end_ns,
+            error_type=type(exc).__name__,
+            message=tb,
+        )
+    return BatchResult(
+        batch_id=msg.batch_id,
+        forward_start_ns=start_ns,
+        forward_end_ns=end_ns,
+        request_ids=np.ascontiguousarray(out.request_ids, dtype="<i8").tobytes(),
+        tokens=np.ascontiguousarray(out.tokens, dtype="<i4").tobytes(),
+        logprobs=np.ascontiguousarray(out.logprobs, dtype="<f8").tobytes(),
+    )

@@ -1,0 +1,111 @@
+"""The batching policy is pure: plain requests in, a batch out."""
+
+import itertools
+from collections import deque
+
+import numpy as np
+import pytest
+
+from aioprefill.policy import Budget, Request, chunk_spans, is_full, least_loaded, take_batch
+
+
+def req(rid: int, n: int) -> Request:
+    return Request(request_id=rid, tokens=np.zeros(n, dtype=np.int32), submitted_ns=rid)
+
+
+def ids(chunks):
+    return [c.request.request_id for c in chunks]
+
+
+def test_fcfs_within_budgets():
+    pending = deque(req(i, 10) for i in range(10))
+    batch = take_batch(pending, 0, Budget(max_batch_tokens=35, max_batch_size=100))
+    assert ids(batch) == [0, 1, 2]
+    assert [r.request_id for r in pending] == list(range(3, 10))
+    batch = take_batch(pending, 0, Budget(max_batch_tokens=1000, max_batch_size=4))
+    assert ids(batch) == [3, 4, 5, 6]
+
+
+def test_no_overtaking_by_later_short_requests():
+    pending = deque([req(0, 10), req(1, 30), req(2, 1)])
+    batch = take_batch(pending, 0, Budget(max_batch_tokens=32, max_batch_size=100))
+    assert ids(batch) == [0]  # 1 does not fit, 2 must not jump ahead of it
+    assert [r.request_id for r in pending] == [1, 2]
+
+
+def test_cancelled_requests_are_dropped():
+    pending = deque(req(i, 5) for i in range(4))
+    pending[1].cancelled = True
+    batch = take_batch(pending, 0, Budget(max_batch_tokens=100, max_batch_size=100))
+    assert ids(batch) == [0, 2, 3]
+    assert not pending
+
+
+def test_long_prompt_is_chunked_and_pinned():
+    budget = Budget(max_batch_tokens=100, max_batch_size=10)
+    long = req(0, 250)
+    pending = deque([long])
+    first = take_batch(pending, worker=1, budget=budget)
+    assert [(c.start, c.end, c.is_last) for c in first] == [(0, 100, False)]
+    assert long.worker == 1 and long.chunk_in_flight and list(pending) == [long]
+    # Another worker cannot take it, nor can anyone while its chunk runs.
+    assert take_batch(pending, worker=0, budget=budget) == []
+    assert take_batch(pending, worker=1, budget=budget) == []
+    long.chunk_in_flight = False
+    assert take_batch(pending, worker=0, budget=budget) == []
+    second = take_batch(pending, worker=1, budget=budget)
+    assert [(c.start, c.end) for c in second] == [(100, 200)]
+    long.chunk_in_flight = False
+    third = take_batch(pending, worker=1, budget=budget)
+    assert [(c.start, c.end, c.is_last) for c in third] == [(200, 250, True)]
+    assert not pending and long.num_chunks == 3
+
+
+def test_short_requests_share_forwards_with_a_long_prompt():
+    budget = Budget(max_batch_tokens=100, max_batch_size=10)
+    pending = deque([req(0, 1000), req(1, 20), req(2, 20), req(3, 20)])
+    batch = take_batch(pending, 0, budget)
+    # Shorts behind the long prompt get up to half the budget; the chunk takes the rest.
+    assert sorted(ids(batch)) == [0, 1, 2]
+    chunk = next(c for c in batch if c.request.request_id == 0)
+    assert chunk.num_tokens == 60
+    assert [r.request_id for r in pending] == [0, 3]
+
+
+def test_chunking_disabled_keeps_prompts_whole():
+    budget = Budget(max_batch_tokens=100, max_batch_size=10, chunked=False)
+    pending = deque([req(0, 50), req(1, 80)])
+    assert ids(take_batch(pending, 0, budget)) == [0]
+
+
+def test_helpers():
+    assert chunk_spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    budget = Budget(max_batch_tokens=100, max_batch_size=3)
+    assert is_full(3, 1, budget) and is_full(1, 100, budget) and not is_full(2, 99, budget)
+    assert least_loaded([2, 0, 0], [True, True, True]) == 1
+    assert least_loaded([2, 0, 1], [True, False, True]) == 2
+    assert least_loaded([0], [False]) == -1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_random_traffic_conserves_every_token(seed):
+    rng = np.random.default_rng(seed)
+    print("seed", seed)
+    budget = Budget(max_batch_tokens=64, max_batch_size=8)
+    reqs = [req(i, int(rng.integers(1, 200))) for i in range(200)]
+    pending = deque(reqs)
+    sent: dict[int, list[tuple[int, int]]] = {r.request_id: [] for r in reqs}
+    in_flight = []
+    while pending or in_flight:
+        worker = int(rng.integers(0, 2))
+        for c in in_flight:
+            c.request.chunk_in_flight = False
+        in_flight = take_batch(pending, worker, budget)
+        assert sum(c.num_tokens for c in in_flight) <= budget.max_batch_tokens
+        assert len(in_flight) <= budget.max_batch_size
+        for c in in_flight:
+            sent[c.request.request_id].append((c.start, c.end))
+    for r in reqs:
+        spans = sent[r.request_id]
+        assert spans[0][0] == 0 and spans[-1][1] == r.num_tokens
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
