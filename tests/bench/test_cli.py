@@ -1,0 +1,116 @@
+"""Command-line parsing: defaults, and one-line errors naming the flag with exit code 2."""
+
+from pathlib import Path
+
+import pytest
+
+from aioprefill import PaddleModel, SimModel
+from aioprefill.bench.cli import DEFAULT_DURATION_S, POLICIES, parse_options
+from aioprefill.bench.presets import SIM_PRESETS
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_defaults_are_the_two_minute_paddle_sweep():
+    o = parse_options([])
+    assert o.model == PaddleModel(seed=0)
+    assert o.policies == list(POLICIES)
+    assert o.rates and all(r.relative for r in o.rates)
+    assert o.duration_s == DEFAULT_DURATION_S
+    assert o.trace is None and o.lengths is not None
+    assert o.json_path is None and o.plot_path is None
+    assert o.seed == 0 and o.loop == "uvloop"
+
+
+def test_sim_presets_and_overrides():
+    o = parse_options(["--model", "sim", "--sim-preset", "gpu-class"])
+    assert o.model == SIM_PRESETS["gpu-class"]
+    o = parse_options(["--model", "sim", "--sim-fixed-ms", "1.5", "--sim-attn-ns", "0"])
+    assert isinstance(o.model, SimModel)
+    assert (o.model.fixed_ms, o.model.attn_ns) == (1.5, 0.0)
+    assert o.model.per_token_us == SIM_PRESETS["cpu-tiny"].per_token_us
+
+
+def test_workload_flags(tmp_path):
+    o = parse_options(
+        [
+            "--model=sim",
+            "--policy=eager,forward",
+            "--rate=2,0.5x",
+            "--burstiness=0.5",
+            "--duration=1.5",
+            "--prompt-len=uniform:10:20",
+            "--max-prompt-len=16",
+            "--seed=7",
+            f"--json={tmp_path / 'out.json'}",
+            f"--plot={tmp_path / 'out.png'}",
+            "--no-progress",
+        ]
+    )
+    assert o.policies == ["eager", "forward"]
+    assert o.rates is not None and [r.label for r in o.rates] == ["2/s", "0.5x"]
+    assert (o.burstiness, o.duration_s, o.max_prompt_len, o.seed) == (0.5, 1.5, 16, 7)
+    assert str(o.lengths) == "uniform:10:20"
+    assert o.progress is False and o.needs_capacity
+
+
+def test_trace_replaces_lengths_and_rates():
+    o = parse_options(["--model", "sim", "--trace", str(DATA / "azure_sample.csv")])
+    assert o.trace is not None and len(o.trace) == 120
+    assert o.rates is None and o.duration_s is None and o.lengths is None
+    assert not o.needs_capacity
+    o = parse_options(["--trace", str(DATA / "mooncake_sample.jsonl"), "--max-prompt-len", "512"])
+    assert o.trace is not None and o.trace.lengths.max() == 512
+
+
+BAD = [
+    (["--rate", "0.8y"], "--rate"),
+    (["--rate", "0"], "--rate"),
+    (["--rate", "4,,8"], "--rate"),
+    (["--rate", "inf"], "--rate"),
+    (["--policy", "forward,fast"], "--policy"),
+    (["--policy", "eager,eager"], "--policy"),
+    (["--model", "gpu"], "--model"),
+    (["--sim-preset", "gpu-class"], "--sim-preset"),
+    (["--model", "sim", "--sim-preset", "h100"], "--sim-preset"),
+    (["--model", "sim", "--sim-fixed-ms", "-1"], "--sim-fixed-ms"),
+    (["--duration", "0"], "--duration"),
+    (["--duration", "abc"], "--duration"),
+    (["--burstiness", "-2"], "--burstiness"),
+    (["--prompt-len", "lognormal:0:1"], "--prompt-len"),
+    (["--prompt-len", "uniform:20:10"], "--prompt-len"),
+    (["--prompt-len", "zipf:3"], "--prompt-len"),
+    (["--prompt-len", "fixed:1.5"], "--prompt-len"),
+    (["--workers", "0"], "--workers"),
+    (["--max-batch-tokens", "1.5"], "--max-batch-tokens"),
+    (["--seed", "-1"], "--seed"),
+    (["--trace", "/nonexistent/trace.csv"], "--trace"),
+    (["--trace-format", "mooncake"], "--trace-format"),
+    (["--trace", str(DATA / "azure_sample.csv"), "--prompt-len", "5"], "--prompt-len"),
+    (["--rate", "0.5x", "--saturation-s", "0"], "--rate"),
+    (["--plot", "out.jpg"], "--plot"),
+    (["--plot", "/nonexistent/dir/out.png"], "--plot"),
+    (["--json", "/nonexistent/dir/out.json"], "--json"),
+    (["--loop", "trio"], "--loop"),
+    (["--bogus"], "--bogus"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_arguments_exit_2_with_one_line_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_options(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("python -m aioprefill.bench: error: ")
+    assert flag in err
+
+
+def test_bad_trace_contents_name_the_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5}\n{"timestamp": 10}\n')
+    with pytest.raises(SystemExit):
+        parse_options(["--trace", str(bad)])
+    err = capsys.readouterr().err
+    assert "--trace" in err and "bad.jsonl:2" in err
