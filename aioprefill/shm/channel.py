@@ -70,22 +70,21 @@ class Channel:
     @classmethod
     def attach(cls, spec: ChannelSpec, data_fd: int, space_fd: int) -> Channel:
         """Attach in another process; takes ownership of both fds (closed by `close()`)."""
-        data = Notifier(fd=data_fd)
-        space = Notifier(fd=space_fd)
+        data = space = ring = None
         try:
+            data = Notifier(fd=data_fd)
+            space = Notifier(fd=space_fd)
             ring = Ring.attach(spec.ring)
+            if ring.capacity != spec.capacity:
+                raise ProtocolError(
+                    f"ring {spec.ring!r} has capacity {ring.capacity}, spec says {spec.capacity}"
+                )
+            return cls(ring, data, space)
         except BaseException:
-            data.close()
-            space.close()
+            for part in (ring, data, space):
+                if part is not None:
+                    part.close()
             raise
-        if ring.capacity != spec.capacity:
-            ring.close()
-            data.close()
-            space.close()
-            raise ProtocolError(
-                f"ring {spec.ring!r} has capacity {ring.capacity}, spec says {spec.capacity}"
-            )
-        return cls(ring, data, space)
 
     def fds(self) -> tuple[int, int]:
         """(data_fd, space_fd), to hand to the other process (it gets duplicates)."""

@@ -82,8 +82,10 @@ class Notifier:
         For worker processes. Sleeps in poll(2): no CPU is used while waiting.
         """
         fd = self._check()
-        if self.drain():
-            return True
+        if timeout is not None and timeout <= 0:
+            return self.drain() > 0
+        # Straight to poll(2): it returns at once if the counter is already non-zero, and a
+        # waiting worker saves the read(2) that would fail with EAGAIN.
         poller = self._poll
         if poller is None:
             poller = self._poll = select.poll()
