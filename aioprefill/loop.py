@@ -25,8 +25,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from aioprefill import protocol
 from aioprefill.config import EngineConfig
 from aioprefill.errors import (
@@ -38,7 +36,16 @@ from aioprefill.errors import (
     WorkerCrashed,
     WorkerStartFailed,
 )
-from aioprefill.policy import Budget, Chunk, Request, chunk_spans, is_full, least_loaded, take_batch
+from aioprefill.policy import (
+    Budget,
+    Chunk,
+    Request,
+    StagedBatch,
+    chunk_spans,
+    is_full,
+    least_loaded,
+    take_batch,
+)
 from aioprefill.protocol import FLAG_FIRST_CHUNK, FLAG_LAST_CHUNK, BatchFailed, BatchResult
 from aioprefill.result import PrefillResult
 from aioprefill.shm.segments import cleanup_stale_segments
@@ -85,6 +92,11 @@ class _Worker:
     def usable(self) -> bool:
         return self.ready and not self.ring_full
 
+    def __repr__(self) -> str:
+        # Short on purpose: asyncio debug mode reprs the args of every timer it cancels, and
+        # the generated repr walks every in-flight batch (quadratic in the backlog).
+        return f"<worker {self.index} ready={self.ready} in_flight={len(self.in_flight)}>"
+
 
 class Engine:
     """A prefill node: `async with Engine(config) as engine: await engine.prefill(tokens)`."""
@@ -105,6 +117,9 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers = [_Worker(i) for i in range(config.num_workers)]
         self._pending: deque[Request] = deque()
+        # Policy "forward": the next batch, kept ready while every worker is busy.
+        self._staged = StagedBatch()
+        self._use_staging = config.policy == "forward"
         self._num_pending = 0  # requests not yet fully dispatched and not cancelled
         self._pending_tokens = 0
         self._num_in_flight = 0  # accepted requests whose future is not yet resolved
@@ -134,14 +149,24 @@ class Engine:
         self._state = _State.STARTING
         self._loop = asyncio.get_running_loop()
         cleanup_stale_segments()
+        starts = [asyncio.ensure_future(self._start_worker(w)) for w in self._workers]
         try:
-            await asyncio.gather(*(self._start_worker(w) for w in self._workers))
+            await asyncio.gather(*starts)
         except BaseException:
+            # gather() leaves the other starts running: stop them (and any restart of a worker
+            # that died meanwhile) before their processes and channels are torn down.
+            self._state = _State.CLOSED
+            await self._cancel_and_wait([*starts, *self._restart_tasks])
             for w in self._workers:
                 self._discard_worker(w, kill=True)
-            self._state = _State.CLOSED
             raise
         self._state = _State.RUNNING
+
+    @staticmethod
+    async def _cancel_and_wait(tasks: list[asyncio.Future[None]]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _start_worker(self, w: _Worker) -> None:
         handle = WorkerHandle(w.index, self.config)
@@ -153,7 +178,7 @@ class Engine:
             self._discard_worker(w, kill=True)
             raise
         assert self._loop is not None and handle.outbox is not None
-        self._loop.add_reader(handle.outbox.fds()[0], self._on_worker_readable, w)
+        self._loop.add_reader(handle.outbox.fds()[0], self._on_forward_done, w)
         self._loop.add_reader(handle.sentinel, self._on_worker_exit, w)
         w.ready = True
         w.ring_full = False
@@ -174,9 +199,9 @@ class Engine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle_waiter, self.config.shutdown_timeout_s)
         self._fail_everything(EngineClosed("engine closed before this request finished"))
-        for task in self._restart_tasks:
-            task.cancel()
+        await self._cancel_and_wait(list(self._restart_tasks))
         for w in self._workers:
+            self._unwatch(w)  # from here on a worker's exit is the shutdown, not a death
             self._cancel_timer(w)
             if w.ready and w.handle is not None and w.handle.inbox is not None:
                 with contextlib.suppress(Exception):
@@ -215,8 +240,8 @@ class Engine:
         self._unwatch_handle(handle)
         if kill:
             handle.kill()
-        if handle.process is not None:
-            handle.process.join(timeout=5.0)
+        if handle.pid > 0:  # never started (a failed launch): nothing to join
+            handle.process.join(timeout=5.0)  # type: ignore[union-attr]
         handle.close()
 
     def _unwatch(self, w: _Worker) -> None:
@@ -258,7 +283,10 @@ class Engine:
             submitted_ns=time.monotonic_ns(),
             handle=future,
         )
-        self._pending.append(req)
+        if not (
+            self._use_staging and not self._pending and self._staged.try_add(req, self._budget)
+        ):
+            self._pending.append(req)
         self._num_pending += 1
         self._pending_tokens += req.num_tokens
         self._num_in_flight += 1
@@ -313,12 +341,18 @@ class Engine:
         """The caller went away: drop the request wherever it is."""
         if req.cancelled:
             return
+        if req.handle.done() and not req.handle.cancelled():
+            # Answered (or failed) and counted already; the caller's task was cancelled
+            # between that and its wake-up (e.g. a wait_for timeout in the same iteration).
+            return
         req.cancelled = True
         self._stats.cancelled += 1
         self._num_in_flight -= 1
         if req.next_pos < req.num_tokens:  # still (partly) pending: leaves the queue lazily
             self._num_pending -= 1
             self._pending_tokens -= req.remaining
+            if req.next_pos == 0:
+                self._staged.note_cancelled()  # it may be staged: dropped before the next send
             self._wake_room_waiters()
         between_chunks = req.worker >= 0 and 0 < req.next_pos < req.num_tokens
         if between_chunks and not req.chunk_in_flight:  # its KV cache waits there: drop it
@@ -344,10 +378,39 @@ class Engine:
             self._schedule_timeout()
 
     def _dispatch(self, w: _Worker, *, backlogged: bool) -> bool:
+        staged = self._staged
+        if staged:
+            staged.drop_cancelled()
+            if staged:
+                return self._send_staged(w, backlogged=backlogged)
         chunks = take_batch(self._pending, w.index, self._budget)
         if not chunks:
             return False
         return self._send(w, chunks, backlogged=backlogged)
+
+    def _send_staged(self, w: _Worker, *, backlogged: bool) -> bool:
+        """Send the staged batch: its columns are ready, so this is O(1) Python work."""
+        assert w.handle is not None and w.handle.inbox is not None
+        staged = self._staged
+        batch_id = next(self._batch_ids)
+        now = time.monotonic_ns()
+        msg = protocol.make_prefill_batch(
+            batch_id, staged.ids, staged.token_parts, None, None, w.free_ids, now
+        )
+        if not w.handle.inbox.send_nowait(protocol.encode_into(msg, self._encode_buffer)):
+            w.ring_full = True
+            return False
+        num_tokens = staged.num_tokens
+        chunks = staged.commit()
+        staged.refill(self._pending, self._budget)
+        self._record_sent(w, _Batch(batch_id, chunks, num_tokens, now, backlogged), len(chunks))
+        return True
+
+    def _unstage(self) -> None:
+        """Put the staged batch back at the head of the queue (before requeueing retries)."""
+        if self._staged:
+            self._pending.extendleft(reversed(self._staged.requests))
+            self._staged.clear()
 
     def _dispatch_eager(self) -> None:
         """Send each pending request on its own, at once, to the least-loaded worker."""
@@ -420,56 +483,50 @@ class Engine:
     def _send(self, w: _Worker, chunks: list[Chunk], *, backlogged: bool) -> bool:
         """Encode `chunks` as one PrefillBatch into `w`'s ring. On a full ring, undo and say so."""
         assert w.handle is not None and w.handle.inbox is not None
-        n = len(chunks)
-        ids = np.empty(n, dtype="<i8")
-        lens = np.empty(n + 1, dtype="<i4")
-        start_pos = np.empty(n, dtype="<i4")
-        flags = np.empty(n, dtype=np.uint8)
-        lens[0] = 0
-        for i, c in enumerate(chunks):
-            ids[i] = c.request.request_id
-            lens[i + 1] = c.end - c.start
-            start_pos[i] = c.start
-            flags[i] = (FLAG_FIRST_CHUNK if c.start == 0 else 0) | (
-                FLAG_LAST_CHUNK if c.is_last else 0
-            )
-        offsets = np.cumsum(lens, dtype="<i4")
-        if n == 1:
-            tokens = chunks[0].request.tokens[chunks[0].start : chunks[0].end]
-        else:
-            tokens = np.concatenate([c.request.tokens[c.start : c.end] for c in chunks])
         batch_id = next(self._batch_ids)
         now = time.monotonic_ns()
-        msg = protocol.PrefillBatch(
-            batch_id=batch_id,
-            request_ids=ids.tobytes(),
-            offsets=offsets.tobytes(),
-            tokens=tokens.tobytes(),
-            start_pos=start_pos.tobytes(),
-            flags=flags.tobytes(),
-            free_ids=np.asarray(w.free_ids, dtype="<i8").tobytes() if w.free_ids else b"",
-            sent_ns=now,
+        msg = protocol.make_prefill_batch(
+            batch_id,
+            [c.request.request_id for c in chunks],
+            [
+                c.request.tokens
+                if c.start == 0 and c.end == c.request.num_tokens
+                else c.request.tokens[4 * c.start : 4 * c.end]
+                for c in chunks
+            ],
+            [c.start for c in chunks],
+            [
+                (FLAG_FIRST_CHUNK if c.start == 0 else 0)
+                | (FLAG_LAST_CHUNK if c.end == c.request.num_tokens else 0)
+                for c in chunks
+            ],
+            w.free_ids,
+            now,
         )
         if not w.handle.inbox.send_nowait(protocol.encode_into(msg, self._encode_buffer)):
             self._undo(chunks)
             w.ring_full = True
             return False
+        num_tokens = len(msg.tokens) >> 2
+        finished = sum(1 for c in chunks if c.end == c.request.num_tokens)
+        self._record_sent(w, _Batch(batch_id, chunks, num_tokens, now, backlogged), finished)
+        return True
+
+    def _record_sent(self, w: _Worker, batch: _Batch, finished: int) -> None:
+        """Bookkeeping once a batch is in `w`'s ring; `finished` prompts left the queue."""
         w.free_ids = []
-        num_tokens = int(offsets[-1])
-        batch = _Batch(batch_id, chunks, num_tokens, now, backlogged)
+        num_tokens = batch.num_tokens
+        chunks = batch.chunks
         if not w.in_flight:
             self._arm_forward_timer(w)
         w.in_flight.append(batch)
-        for c in chunks:
-            if c.is_last:
-                self._num_pending -= 1
-            self._pending_tokens -= c.num_tokens
+        self._num_pending -= finished
+        self._pending_tokens -= num_tokens
         self._stats.batches += 1
         self._stats.tokens += num_tokens
-        self._stats.batch_size.add(n)
+        self._stats.batch_size.add(len(chunks))
         self._stats.batch_tokens.add(num_tokens)
         self._wake_room_waiters()
-        return True
 
     def _undo(self, chunks: list[Chunk]) -> None:
         """Put a batch that could not be sent back where `take_batch` found it."""
@@ -485,14 +542,52 @@ class Engine:
 
     # ---- results ----------------------------------------------------------------------------
 
+    def _on_forward_done(self, w: _Worker) -> None:
+        """The worker's eventfd fired: a forward ended and its answer waits in the ring.
+
+        With policy ``forward`` the worker gets its next batch *before* the answer is even
+        decoded: the answer is safe in the ring, and every microsecond spent before the ring
+        write is bubble. `_on_batch_done` then sees the new batch in flight and sends no other.
+        """
+        handle = w.handle
+        if (
+            len(w.in_flight) == 1
+            and self._num_pending
+            and self.config.policy == "forward"
+            and w.ready
+            and self._state in (_State.RUNNING, _State.CLOSING)
+            and handle is not None
+            and handle.outbox is not None
+        ):
+            try:
+                answered = handle.outbox.recv_nowait() is not None  # not a stale wake-up
+            except ProtocolError:
+                answered = False  # _on_worker_readable deals with a corrupt ring
+            if answered:
+                for c in w.in_flight[0].chunks:  # continuations may ride the next batch
+                    if c.end != c.request.num_tokens:
+                        c.request.chunk_in_flight = False
+                self._dispatch(w, backlogged=True)
+        self._on_worker_readable(w)
+
     def _on_worker_readable(self, w: _Worker) -> None:
-        """Forward-done: read every message the worker wrote, then act on each."""
+        """Read every message the worker wrote, then act on each."""
         handle = w.handle
         if handle is None or handle.outbox is None:
             return
         outbox = handle.outbox
         outbox.wait_blocking(0)  # consume the eventfd count
-        while w.handle is handle and (view := outbox.recv_nowait()) is not None:
+        while w.handle is handle:
+            try:
+                view = outbox.recv_nowait()
+            except ProtocolError as exc:  # the ring itself is corrupt: so is the worker
+                self._stats.protocol_errors += 1
+                log.error("worker %d: its result ring is corrupt (%s); killing it", w.index, exc)
+                handle.kill()
+                self._on_worker_death(w)
+                return
+            if view is None:
+                return
             try:
                 msg = protocol.decode_from_worker(view)
             except ProtocolError as exc:
@@ -528,7 +623,7 @@ class Engine:
         # Next batch first: every microsecond spent here before the ring write is bubble.
         if self._state in (_State.RUNNING, _State.CLOSING) and self._num_pending:
             if self.config.policy == "forward":
-                if not w.in_flight:
+                if not w.in_flight and w.ready:  # not a dead worker's last words
                     self._dispatch(w, backlogged=True)
             else:
                 self._schedule()
@@ -632,20 +727,30 @@ class Engine:
         handle = w.handle
         if handle is None:
             return
+        w.ready = False  # its last results are read below, but it gets no new batch
         self._on_worker_readable(w)  # results it wrote before dying still count
-        code = handle.process.exitcode if handle.process is not None else None
+        if w.handle is handle:  # (unless reading them found its ring corrupt: handled there)
+            self._on_worker_death(w)
+
+    def _on_worker_death(self, w: _Worker) -> None:
+        """A worker exited or was killed: retry or fail its requests, restart it with backoff."""
+        handle = w.handle
+        assert handle is not None and handle.process is not None
+        handle.process.join(timeout=5.0)  # reaps it: immediate once its sentinel fired
+        code = handle.process.exitcode
         log.error("worker %d (pid %d) died with exit code %s", w.index, handle.pid, code)
         self._discard_worker(w, kill=False)
         w.ring_full = False
         lost, w.in_flight = w.in_flight, deque()
         w.free_ids = []
-        self._recover_requests(w, lost, code)
-        if self._state is _State.RUNNING:
+        self._recover_requests(w, lost, f"worker {w.index} died (exit code {code})")
+        # A worker that dies while the others still start is restarted too (once running).
+        if self._state in (_State.STARTING, _State.RUNNING):
             self._restart_later(w)
         self._schedule()
         self._maybe_idle()
 
-    def _recover_requests(self, w: _Worker, lost: deque[_Batch], exitcode: int | None) -> None:
+    def _recover_requests(self, w: _Worker, lost: deque[_Batch], why: str) -> None:
         """Retry (up to max_retries) or fail the requests a dead worker held."""
         seen: set[int] = set()
         requeue: list[Request] = []
@@ -655,17 +760,19 @@ class Engine:
                 if req.request_id in seen:
                     continue
                 seen.add(req.request_id)
-                self._restart_request(req, requeue, exitcode)
+                self._restart_request(req, requeue, why)
         # Chunked prompts queued between chunks lost their KV cache with the worker.
         for req in self._pending:
             if req.worker == w.index and req.request_id not in seen and not req.cancelled:
                 seen.add(req.request_id)
-                self._restart_request(req, requeue, exitcode, queued=True)
+                self._restart_request(req, requeue, why, queued=True)
+        if requeue:
+            self._unstage()  # retried requests are older than the staged ones: they go first
         for req in reversed(requeue):
             self._pending.appendleft(req)
 
     def _restart_request(
-        self, req: Request, requeue: list[Request], exitcode: int | None, *, queued: bool = False
+        self, req: Request, requeue: list[Request], why: str, *, queued: bool = False
     ) -> None:
         if req.cancelled or req.handle.done():
             return
@@ -673,8 +780,8 @@ class Engine:
             self._fail_requests(
                 [req],
                 WorkerCrashed(
-                    f"worker {req.worker if req.worker >= 0 else '?'} died (exit code {exitcode}) "
-                    f"while running this request; {req.attempts} retries used"
+                    f"{why} while running this request; {req.attempts} retries used "
+                    f"(max_retries={self.config.max_retries})"
                 ),
             )
             return
@@ -718,12 +825,12 @@ class Engine:
 
     async def _restart(self, w: _Worker, delay: float) -> None:
         await asyncio.sleep(delay)  # backoff between restarts, off the hot path
-        if self._state is not _State.RUNNING:
+        if self._state not in (_State.STARTING, _State.RUNNING):
             return
         try:
             await self._start_worker(w)
-        except WorkerStartFailed as exc:
-            log.error("%s", exc)
+        except Exception as exc:  # any failure (no fork, no shm, bad Ready) counts as a death
+            log.error("worker %d could not be restarted: %s: %s", w.index, type(exc).__name__, exc)
             self._restart_later(w)
             return
         self._stats.worker_restarts += 1
@@ -731,6 +838,7 @@ class Engine:
 
     def _fail_everything(self, error: AioprefillError) -> None:
         """Fail every accepted request that has not finished (on close or when broken)."""
+        self._unstage()
         requests = [r for r in self._pending if not r.cancelled]
         for w in self._workers:
             for batch in w.in_flight:

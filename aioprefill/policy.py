@@ -26,12 +26,19 @@ duration; alone, it takes the full budget.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-__all__ = ["Budget", "Chunk", "Request", "chunk_spans", "is_full", "least_loaded", "take_batch"]
+__all__ = [
+    "Budget",
+    "Chunk",
+    "Request",
+    "StagedBatch",
+    "chunk_spans",
+    "is_full",
+    "least_loaded",
+    "take_batch",
+]
 
 
 @dataclass(slots=True, eq=False)
@@ -39,7 +46,7 @@ class Request:
     """One prompt while the engine owns it. `handle` is the engine's own (its future)."""
 
     request_id: int
-    tokens: np.ndarray  # int32[num_tokens]
+    tokens: bytes  # the prompt as int32 little-endian bytes, ready for the wire
     submitted_ns: int
     handle: Any = None
     next_pos: int = 0  # tokens already sent in earlier chunks
@@ -48,14 +55,14 @@ class Request:
     cancelled: bool = False
     num_chunks: int = 0
     attempts: int = 0
+    num_tokens: int = field(init=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.tokens) >> 2
 
     @property
     def remaining(self) -> int:
-        return len(self.tokens) - self.next_pos
+        return self.num_tokens - self.next_pos
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,41 +109,122 @@ def take_batch(pending: deque[Request], worker: int, budget: Budget) -> list[Chu
     kept: list[Request] = []  # requests looked at but left in the queue, in their order
     tokens = 0
     long_req: Request | None = None
-    reserve = budget.max_batch_tokens // 2  # what a waiting long prompt is sure to get
-    while pending and len(chunks) + (long_req is not None) < budget.max_batch_size:
-        req = pending.popleft()
+    max_tokens = budget.max_batch_tokens
+    max_size = budget.max_batch_size
+    long_threshold = max_tokens if budget.chunked else 1 << 62
+    popleft = pending.popleft
+    while pending and len(chunks) < max_size - (long_req is not None):
+        req = popleft()
         if req.cancelled:
             continue
         if req.chunk_in_flight or (req.worker >= 0 and req.worker != worker):
             kept.append(req)
             continue
-        if budget.is_long(req):
+        n = req.num_tokens
+        if n > long_threshold:
             kept.append(req)
             if long_req is None:
                 long_req = req  # its chunk takes what the short requests leave
             continue
-        limit = budget.max_batch_tokens - (reserve if long_req is not None else 0)
-        if tokens + req.num_tokens > limit:
+        # Short requests behind a long prompt get at most half of the budget.
+        if tokens + n > (max_tokens if long_req is None else max_tokens - max_tokens // 2):
             kept.append(req)
             break
-        chunks.append(Chunk(req, 0, req.num_tokens))
-        req.next_pos = req.num_tokens
-        tokens += req.num_tokens
+        chunks.append(Chunk(req, 0, n))
+        req.next_pos = n
+        req.num_chunks = 1
+        tokens += n
     if long_req is not None:
-        size = min(long_req.remaining, budget.max_batch_tokens - tokens)
+        size = min(long_req.remaining, max_tokens - tokens)
         if size > 0:
             start = long_req.next_pos
             chunks.append(Chunk(long_req, start, start + size))
             long_req.next_pos += size
+            long_req.num_chunks += 1
             if long_req.remaining == 0:
                 kept.remove(long_req)
             else:
                 long_req.worker = worker
                 long_req.chunk_in_flight = True
-    pending.extendleft(reversed(kept))
-    for chunk in chunks:
-        chunk.request.num_chunks += 1
+    if kept:
+        pending.extendleft(reversed(kept))
     return chunks
+
+
+class StagedBatch:
+    """The next batch of the ``forward`` policy, assembled while the workers are busy.
+
+    Whole short prompts join it as they arrive (only while nothing else waits, so it is always
+    the head of the queue in arrival order, exactly what `take_batch` would pick), with their
+    wire columns ready. When a forward ends, handing it over costs O(1) Python work however
+    many requests it holds: the per-request bookkeeping happens at arrival, not in the bubble.
+    """
+
+    __slots__ = ("_has_cancelled", "ids", "num_tokens", "requests", "token_parts")
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.ids: list[int] = []
+        self.token_parts: list[bytes] = []
+        self.num_tokens = 0
+        self._has_cancelled = False
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def try_add(self, req: Request, budget: Budget) -> bool:
+        """Stage a whole prompt if it is short and fits the budget; False otherwise."""
+        n = req.num_tokens
+        if (
+            len(self.requests) >= budget.max_batch_size
+            or self.num_tokens + n > budget.max_batch_tokens
+            or budget.is_long(req)
+        ):
+            return False
+        self.requests.append(req)
+        self.ids.append(req.request_id)
+        self.token_parts.append(req.tokens)
+        self.num_tokens += n
+        return True
+
+    def note_cancelled(self) -> None:
+        self._has_cancelled = True
+
+    def drop_cancelled(self) -> None:
+        """Forget cancelled requests (rare, so done lazily, just before the batch is sent)."""
+        if self._has_cancelled:
+            live = [r for r in self.requests if not r.cancelled]
+            self.clear()
+            self.requests = live
+            self.ids = [r.request_id for r in live]
+            self.token_parts = [r.tokens for r in live]
+            self.num_tokens = sum(r.num_tokens for r in live)
+
+    def clear(self) -> None:
+        self.requests, self.ids, self.token_parts = [], [], []
+        self.num_tokens = 0
+        self._has_cancelled = False
+
+    def commit(self) -> list[Chunk]:
+        """The batch was sent: mark its requests dispatched and return them as chunks."""
+        chunks = []
+        for req in self.requests:
+            req.next_pos = req.num_tokens
+            req.num_chunks = 1
+            chunks.append(Chunk(req, 0, req.num_tokens))
+        self.clear()
+        return chunks
+
+    def refill(self, pending: deque[Request], budget: Budget) -> None:
+        """Move whole prompts from the head of `pending` into the batch while they fit."""
+        while pending:
+            req = pending[0]
+            if req.cancelled:
+                pending.popleft()
+                continue
+            if req.worker >= 0 or not self.try_add(req, budget):
+                return
+            pending.popleft()
 
 
 def chunk_spans(num_tokens: int, max_chunk: int) -> list[tuple[int, int]]:

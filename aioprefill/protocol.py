@@ -12,6 +12,7 @@ released as soon as `decode()` returns.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import msgspec
@@ -36,6 +37,7 @@ __all__ = [
     "decode_worker_spec",
     "encode",
     "encode_into",
+    "make_prefill_batch",
 ]
 
 # Flags per request in PrefillBatch.flags
@@ -92,9 +94,9 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
         tokens = np.frombuffer(self.tokens, dtype="<i4")
         start_pos = np.frombuffer(self.start_pos, dtype="<i4")
         flags = np.frombuffer(self.flags, dtype=np.uint8)
-        if offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) <= 0):
+        if offsets[0] != 0 or offsets[n] != len(tokens) or (n and np.diff(offsets).min() <= 0):
             raise ProtocolError("PrefillBatch.offsets are not increasing from 0 to len(tokens)")
-        if np.any(start_pos < 0):
+        if n and start_pos.min() < 0:
             raise ProtocolError("PrefillBatch.start_pos has a negative position")
         return ids, offsets, tokens, start_pos, flags
 
@@ -171,6 +173,42 @@ class BatchFailed(msgspec.Struct, tag=True, array_like=True):
 
 
 FromWorker = Ready | StartFailed | BatchResult | BatchFailed
+
+
+def make_prefill_batch(
+    batch_id: int,
+    request_ids: list[int],
+    token_parts: list[bytes],
+    start_pos: list[int] | None,
+    flags: list[int] | None,
+    free_ids: list[int],
+    sent_ns: int,
+) -> PrefillBatch:
+    """Pack per-request columns into a PrefillBatch (`token_parts`: int32 bytes per request).
+
+    `start_pos` / `flags` None mean every request is a whole prompt. `struct.pack` over Python
+    ints beats building NumPy arrays for the small batches that dominate the hot path, and
+    costs a few microseconds for a 256-request batch.
+    """
+    n = len(request_ids)
+    offsets = [0]
+    total = 0
+    for part in token_parts:
+        total += len(part) >> 2
+        offsets.append(total)
+    return PrefillBatch(
+        batch_id=batch_id,
+        request_ids=struct.pack(f"<{n}q", *request_ids),
+        offsets=struct.pack(f"<{n + 1}i", *offsets),
+        tokens=b"".join(token_parts),
+        start_pos=bytes(4 * n) if start_pos is None else struct.pack(f"<{n}i", *start_pos),
+        flags=_WHOLE_PROMPT * n if flags is None else bytes(flags),
+        free_ids=struct.pack(f"<{len(free_ids)}q", *free_ids) if free_ids else b"",
+        sent_ns=sent_ns,
+    )
+
+
+_WHOLE_PROMPT = bytes([FLAG_FIRST_CHUNK | FLAG_LAST_CHUNK])
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

@@ -11,11 +11,12 @@ from aioprefill.errors import InvalidRequest, InvalidRequestType
 __all__ = ["validate_prompt"]
 
 
-def validate_prompt(tokens: Any, vocab_size: int, max_prompt_tokens: int) -> np.ndarray:
-    """Return the prompt as a fresh int32 array, or raise `InvalidRequest` saying why.
+def validate_prompt(tokens: Any, vocab_size: int, max_prompt_tokens: int) -> bytes:
+    """Return the prompt as int32 little-endian bytes, or raise `InvalidRequest` saying why.
 
-    Accepts a list/tuple of ints or a 1-D integer ndarray. The copy decouples the request
-    from the caller's buffer, which may change after `prefill()` returns control.
+    Accepts a list/tuple of ints or a 1-D integer ndarray. The bytes are a copy, decoupled
+    from the caller's buffer (which may change once `prefill()` yields), and are what the
+    wire carries, so nothing is converted again on the dispatch path.
     """
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
@@ -56,4 +57,4 @@ def validate_prompt(tokens: Any, vocab_size: int, max_prompt_tokens: int) -> np.
             f"prompt has id {high} at index {int(np.argmax(array))}, outside the vocabulary "
             f"(vocab_size={vocab_size})"
         )
-    return array.astype(np.int32)
+    return array.astype("<i4").tobytes()

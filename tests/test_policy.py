@@ -6,11 +6,19 @@ from collections import deque
 import numpy as np
 import pytest
 
-from aioprefill.policy import Budget, Request, chunk_spans, is_full, least_loaded, take_batch
+from aioprefill.policy import (
+    Budget,
+    Request,
+    StagedBatch,
+    chunk_spans,
+    is_full,
+    least_loaded,
+    take_batch,
+)
 
 
 def req(rid: int, n: int) -> Request:
-    return Request(request_id=rid, tokens=np.zeros(n, dtype=np.int32), submitted_ns=rid)
+    return Request(request_id=rid, tokens=bytes(4 * n), submitted_ns=rid)
 
 
 def ids(chunks):
@@ -109,3 +117,32 @@ def test_random_traffic_conserves_every_token(seed):
         spans = sent[r.request_id]
         assert spans[0][0] == 0 and spans[-1][1] == r.num_tokens
         assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_staged_batch_is_what_take_batch_would_pick():
+    budget = Budget(max_batch_tokens=30, max_batch_size=3)
+    staged = StagedBatch()
+    reqs = [req(i, 10) for i in range(5)]
+    assert [staged.try_add(r, budget) for r in reqs] == [True, True, True, False, False]
+    assert staged.ids == [0, 1, 2] and staged.num_tokens == 30
+    assert staged.token_parts == [r.tokens for r in reqs[:3]]
+    reqs[1].cancelled = True
+    staged.note_cancelled()
+    staged.drop_cancelled()
+    assert staged.ids == [0, 2] and staged.num_tokens == 20
+    chunks = staged.commit()
+    assert [(c.request.request_id, c.start, c.end, c.is_last) for c in chunks] == [
+        (0, 0, 10, True),
+        (2, 0, 10, True),
+    ]
+    assert not staged and reqs[0].next_pos == 10
+    pending = deque([*reqs[3:], req(9, 100), req(10, 1)])
+    staged.refill(pending, budget)
+    assert staged.ids == [3, 4]  # stops at the long prompt: FIFO is kept
+    assert [r.request_id for r in pending] == [9, 10]
+
+
+def test_staged_batch_refuses_long_prompts():
+    budget = Budget(max_batch_tokens=30, max_batch_size=3)
+    assert not StagedBatch().try_add(req(0, 31), budget)
+    assert StagedBatch().try_add(req(0, 31), Budget(30, 3, chunked=False)) is False

@@ -48,6 +48,19 @@ def _set_process_name(name: str) -> None:
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this worker when its parent dies.
+
+    The parent is the engine (spawn) or the forkserver, which exits when the engine does. The
+    engine pidfd watched by the serve loop only wakes a worker that waits for a batch; this
+    also ends one that is mid-forward, hung, or blocked on a result ring nobody drains. (The
+    signal follows the parent *thread*: the engine starts workers from its event-loop thread.)
+    """
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 def worker_main(spec_bytes: bytes, to_fds: tuple[int, int], from_fds: tuple[int, int]) -> None:
     """Entry point of a worker process (the target of `multiprocessing.Process`)."""
     started_ns = time.monotonic_ns()
@@ -55,6 +68,7 @@ def worker_main(spec_bytes: bytes, to_fds: tuple[int, int], from_fds: tuple[int,
     _set_process_name(f"aioprefill-w{spec.worker}")
     # Ctrl-C in the terminal reaches the whole process group: let the engine decide.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     inbox = Channel.attach(spec.to_worker, *to_fds)
     outbox = Channel.attach(spec.from_worker, *from_fds)
     try:
@@ -90,8 +104,10 @@ def _serve_batches(
     poller.register(data_fd, select.POLLIN)
     try:
         engine_fd = os.pidfd_open(spec.engine_pid)
+    except ProcessLookupError:
+        return  # the engine died while we started: nobody will send a batch or read a result
     except (OSError, AttributeError):
-        engine_fd = -1  # engine already gone, or no pidfd: rely on the ring's Shutdown
+        engine_fd = -1  # no pidfd (kernel < 5.3): rely on PR_SET_PDEATHSIG and Shutdown
     else:
         poller.register(engine_fd, select.POLLIN)
     out_buffer = bytearray(1 << 16)
@@ -116,20 +132,20 @@ def _serve_batches(
 
 
 def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFailed:
+    # The forward starts when the worker holds the decoded batch: turning it into model inputs
+    # (checks, arrays, tensors) is the forward's work, and the bubble is the time before it.
     start_ns = time.monotonic_ns()
     try:
         ids, offsets, tokens, start_pos, flags = msg.arrays()
-        free_ids = msg.free_array()
-        if len(free_ids):
-            runner.free(free_ids)
+        if msg.free_ids:
+            runner.free(msg.free_array())
         batch = ForwardBatch(
             request_ids=ids,
             offsets=offsets,
             tokens=tokens,
             start_pos=start_pos,
-            is_last=(flags & protocol.FLAG_LAST_CHUNK).astype(bool),
+            is_last=(flags & protocol.FLAG_LAST_CHUNK).view(np.bool_),
         )
-        start_ns = time.monotonic_ns()
         out = runner.forward(batch)
         end_ns = time.monotonic_ns()
     except Exception as exc:

@@ -147,8 +147,10 @@ class WorkerHandle:
                                 await waiter
         except TimeoutError:
             raise WorkerStartFailed(
-                f"worker {self.index} was not ready within {timeout:.0f} s"
+                f"worker {self.index} was not ready within {timeout:g} s"
             ) from None
+        except ProtocolError as exc:  # garbage instead of Ready: never trust this worker
+            raise WorkerStartFailed(f"worker {self.index} failed to start: {exc}") from exc
         finally:
             loop.remove_reader(self.sentinel)
 
@@ -166,9 +168,11 @@ class WorkerHandle:
         return msg
 
     def kill(self) -> None:
-        if self.process is not None and self.process.pid and self.process.exitcode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.process.pid, signal.SIGKILL)
+        """SIGKILL the process if it runs (a no-op once it was reaped or closed)."""
+        with contextlib.suppress(ValueError):  # ValueError: the process object was closed
+            if self.process is not None and self.process.pid and self.process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.process.pid, signal.SIGKILL)
 
     def close(self) -> None:
         """Release the channels (unlinking their segments) and reap the process if it exited."""
