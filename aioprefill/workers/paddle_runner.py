@@ -1,0 +1,310 @@
+"""`PaddleRunner`: a Llama-style decoder's prefill over a packed batch, in PaddlePaddle.
+
+Requests sit back to back in one `[tokens, hidden]` matrix, with no padding between them: the
+linear layers, norms and MLP run over every token of the batch at once, and only attention runs
+per sequence (a block-diagonal mask over the whole batch costs O(tokens^2) on CPU). A chunk with
+`start_pos > 0` continues a prompt whose earlier chunks this runner saw: their keys and values
+(after RoPE) wait in `self._cache` until the chunk with `is_last` (or `free()`).
+
+Batch invariance. A request's result must not depend on its batch-mates. Attention is per
+sequence and norms and element-wise ops are per row, so batching leaks in through the matrix
+products (and the LM head's reductions): BLAS picks kernels by shape, and MKL computes a row
+with other kernels, whose sums round differently, when the product has few rows, when the row
+sits in a trailing partial block, or (for some row counts) by its position. By default that is
+allowed: a request's log-probability moves by ~1e-7 between batch compositions (the tests hold
+it to 1e-5). `deterministic=True` makes results bitwise identical by never letting a shape
+depend on the batch: the linear layers multiply fixed tiles of `_TILE_ROWS` rows and the LM head
+runs on fixed tiles of `_HEAD_TILE_ROWS` rows, zero-padded. Tile sizes matter: MKL treated every
+row position of a 64- or 16-row product alike, but not of a 32-row one; the tests check the
+result bitwise over random batch compositions. It costs ~1.1x on full batches and up to 2.3x on
+a lone short request (benchmarks/bench_paddle_model.py).
+
+This module is imported only in worker processes (a forkserver may preload it): it imports
+paddle, and first sets MKL's CPU dispatch on AMD processors; a CPU runner also changes how
+glibc malloc keeps freed memory (see `paddle_env`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Literal
+
+from aioprefill.workers.paddle_env import configure_math_libraries, keep_freed_memory
+
+configure_math_libraries()
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+import paddle.nn.functional as F  # noqa: E402
+from paddle.incubate.nn.functional import fused_rms_norm  # noqa: E402
+
+from aioprefill.config import PaddleModel  # noqa: E402
+from aioprefill.errors import InvalidConfig  # noqa: E402
+from aioprefill.workers.paddle_attention import KVCache, attend  # noqa: E402
+from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402
+from aioprefill.workers.weights import model_weights  # noqa: E402
+
+__all__ = ["PaddleRunner"]
+
+_DType = Literal["float32", "float16", "bfloat16"]
+
+# deterministic=True: every linear layer multiplies exactly this many rows at a time, and the
+# LM head this many (it is wide: 32000 columns; padding it to 64 rows would cost ~13 ms on CPU).
+_TILE_ROWS = 64
+_HEAD_TILE_ROWS = 16
+
+
+def _pick_device(spec: PaddleModel, worker_index: int) -> str:
+    has_cuda = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    if spec.device == "gpu" and not has_cuda:
+        raise InvalidConfig("PaddleModel.device: 'gpu' but this paddle has no CUDA device")
+    if spec.device == "cpu" or not has_cuda:
+        return "cpu"
+    return f"gpu:{worker_index % paddle.device.cuda.device_count()}"
+
+
+def _heads_major(w: np.ndarray, dim: int) -> np.ndarray:
+    """HF [heads * dim, hidden] -> [heads, hidden, dim]: a batched matmul of [1, rows, hidden]
+    with it writes q/k/v straight into the [heads, rows, dim] layout attention wants."""
+    return w.reshape(-1, dim, w.shape[1]).transpose(0, 2, 1)
+
+
+class _Layer:
+    """One decoder layer's weights on the device, laid out for the packed forward."""
+
+    __slots__ = ("down", "gate_up", "in_norm", "o", "post_norm", "qkv")
+
+    def __init__(self, w: dict[str, np.ndarray], prefix: str, spec: PaddleModel) -> None:
+        def t(a: np.ndarray) -> paddle.Tensor:
+            return paddle.to_tensor(np.ascontiguousarray(a), dtype=spec.dtype)
+
+        a, m, dim = prefix + "self_attn.", prefix + "mlp.", spec.head_dim
+        # q is pre-scaled by head_dim^-0.5 (RoPE is linear), which saves an op per score matrix.
+        qk = np.concatenate(
+            [
+                _heads_major(w[a + "q_proj.weight"] * dim**-0.5, dim),
+                _heads_major(w[a + "k_proj.weight"], dim),
+            ]
+        )
+        # One product gives [q k | v], each part a contiguous leading slice (no copies).
+        self.qkv = t(np.concatenate([qk, _heads_major(w[a + "v_proj.weight"], dim)]))
+        # The rest keep HF's [out, in] layout, multiplied with transpose_y (as fast on MKL).
+        self.o = t(w[a + "o_proj.weight"])
+        self.gate_up = t(np.concatenate([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
+        self.down = t(w[m + "down_proj.weight"])
+        self.in_norm = t(w[prefix + "input_layernorm.weight"])
+        self.post_norm = t(w[prefix + "post_attention_layernorm.weight"])
+
+
+class PaddleRunner:
+    """The `ModelRunner` for `PaddleModel`: one device, packed batches, chunked-prefill state.
+
+    `device` is `"cpu"` or `"gpu:N"`. With `spec.device="auto"` worker `i` takes GPU
+    `i % device_count` when paddle has CUDA, else the CPU with `spec.num_threads` threads.
+    Weights come from `spec.weights` (safetensors, HF names) or `random_weights(spec, spec.seed)`.
+    `forward` raises ValueError for a batch it cannot run (bad token ids, a chunk that does not
+    continue what this runner holds) before running anything.
+    """
+
+    device: str
+
+    def __init__(self, spec: PaddleModel, worker_index: int = 0) -> None:
+        self.spec = spec
+        self.device = _pick_device(spec, worker_index)
+        if self.device == "cpu" and spec.dtype != "float32":
+            raise InvalidConfig(
+                f"PaddleModel.dtype: {spec.dtype} needs a GPU; the CPU runs float32"
+            )
+        paddle.set_device(self.device)
+        if self.device == "cpu":
+            keep_freed_memory()
+            # MKL's thread count (paddle's default is 1); OMP_NUM_THREADS is read too early.
+            paddle.base.core.set_num_threads(spec.num_threads)
+        elif spec.dtype == "float32":
+            # float32 means float32: no TF32 tensor-core products (10-bit mantissas).
+            with contextlib.suppress(ValueError):
+                paddle.set_flags({"FLAGS_allow_tf32_cublas": False})
+        dtype = spec.dtype
+        weights = model_weights(spec)
+        with paddle.no_grad():
+            embed = weights.pop("model.embed_tokens.weight")
+            self._embed = paddle.to_tensor(embed, dtype=dtype)
+            head = weights.pop("lm_head.weight", None)
+            self._lm_head = self._embed if head is None else paddle.to_tensor(head, dtype=dtype)
+            self._norm = paddle.to_tensor(weights.pop("model.norm.weight"), dtype=dtype)
+            self._layers = [
+                _Layer(weights, f"model.layers.{i}.", spec) for i in range(spec.num_layers)
+            ]
+            self._cos, self._sin = self._rope_tables(spec.max_position_embeddings)
+        del weights
+        self._cache: dict[int, KVCache] = {}
+        self._deterministic = spec.deterministic
+
+    # ------------------------------------------------------------------ public interface
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one packed batch; results for the requests whose `is_last` is set, in order."""
+        self._check(batch)
+        try:
+            with paddle.no_grad():
+                return self._forward(batch)
+        except BaseException:
+            # attend() extends a request's cache layer by layer: after a failure part-way the
+            # layers disagree, so the batch's chunked requests cannot continue.
+            self.free(batch.request_ids)
+            raise
+
+    def free(self, request_ids: np.ndarray) -> None:
+        """Drop the KV state kept for these requests (unknown ids are ignored)."""
+        for rid in np.asarray(request_ids).tolist():
+            self._cache.pop(int(rid), None)
+
+    @property
+    def num_cached(self) -> int:
+        """How many requests have KV state waiting for their next chunk."""
+        return len(self._cache)
+
+    # ------------------------------------------------------------------ internals
+
+    def _rope_tables(self, positions: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos and sign-folded sin, [positions, head_dim], in the model's dtype (as HF casts them),
+        for HF's rotate_half convention: x*cos + rotate_half(x)*sin = x*cos + roll(x)*[-sin, sin],
+        where roll swaps the two halves of the last axis."""
+        dim = self.spec.head_dim
+        inv_freq = 1.0 / self.spec.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        angles = np.outer(np.arange(positions, dtype=np.float64), inv_freq)
+        cos = np.cos(np.concatenate([angles, angles], axis=1))
+        sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=1)
+        dtype = self.spec.dtype
+        return paddle.to_tensor(cos, dtype=dtype), paddle.to_tensor(sin, dtype=dtype)
+
+    def _check(self, batch: ForwardBatch) -> None:
+        if batch.size == 0:
+            raise ValueError("empty batch")
+        lens = batch.seq_lens()
+        if (lens <= 0).any():
+            raise ValueError("every request in a batch needs at least one token")
+        tokens = batch.tokens
+        if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.spec.vocab_size})")
+        ends = batch.start_pos.astype(np.int64) + lens
+        if int(ends.max()) > self.spec.max_position_embeddings:
+            raise ValueError(
+                f"position {int(ends.max())} past max_position_embeddings "
+                f"({self.spec.max_position_embeddings})"
+            )
+        for rid, start in zip(batch.request_ids.tolist(), batch.start_pos.tolist(), strict=True):
+            if start == 0:
+                self._cache.pop(rid, None)  # a restart of a prompt drops any stale chunks
+                continue
+            have = self._cache.get(rid)
+            if have is None or have.length != start:
+                raise ValueError(
+                    f"request {rid}: chunk starts at {start}, but this worker holds "
+                    f"{0 if have is None else have.length} earlier tokens"
+                )
+
+    def _linear(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """x @ w.T; deterministic: in tiles of _TILE_ROWS rows (x's rows are a multiple of it)."""
+        if not self._deterministic or x.shape[0] == _TILE_ROWS:
+            return paddle.matmul(x, w, transpose_y=True)
+        tiles = paddle.split(x, x.shape[0] // _TILE_ROWS)
+        return paddle.concat([paddle.matmul(t, w, transpose_y=True) for t in tiles])
+
+    def _project(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """[rows, hidden] x [heads, hidden, dim] -> [heads, rows, dim]; tiled like `_linear`."""
+        if not self._deterministic or x.shape[0] == _TILE_ROWS:
+            return paddle.matmul(x.unsqueeze(0), w)
+        tiles = paddle.split(x, x.shape[0] // _TILE_ROWS)
+        return paddle.concat([paddle.matmul(t.unsqueeze(0), w) for t in tiles], axis=1)
+
+    def _padded(self, rows: int, tile: int) -> int:
+        return -(-rows // tile) * tile if self._deterministic else rows
+
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
+        spec = self.spec
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        offsets = batch.offsets.astype(np.int64)
+        lens = np.diff(offsets)
+        total = int(offsets[-1])
+        rows = self._padded(total, _TILE_ROWS)  # padding rows: token 0 at position 0, ignored
+        positions = np.zeros(rows, dtype=np.int64)
+        positions[:total] = np.arange(total) - np.repeat(offsets[:-1] - batch.start_pos, lens)
+        ids = np.zeros(rows, dtype=np.int64)
+        ids[:total] = batch.tokens
+        x = F.embedding(paddle.to_tensor(ids), self._embed)
+        # Paddle's CPU kernels are slow at broadcasting (~10x), so the RoPE tables are copied
+        # out to the full [heads + kv_heads, rows, dim] shape once per forward.
+        pos = paddle.to_tensor(positions)
+        qk_heads = heads + kv_heads
+        cos = paddle.concat([paddle.gather(self._cos, pos).unsqueeze(0)] * qk_heads)
+        sin = paddle.concat([paddle.gather(self._sin, pos).unsqueeze(0)] * qk_heads)
+
+        request_ids = batch.request_ids.tolist()
+        is_last = batch.is_last.tolist()
+        caches = [
+            self._cache[rid] if start else KVCache(spec.num_layers)
+            for rid, start in zip(request_ids, batch.start_pos.tolist(), strict=True)
+        ]
+        bounds = list(itertools.pairwise(offsets.tolist()))
+        eps = spec.rms_norm_eps
+        for index, layer in enumerate(self._layers):
+            h = fused_rms_norm(x, layer.in_norm, None, eps, 1)[0]
+            qkv = self._project(h, layer.qkv)  # [heads + 2 * kv_heads, rows, dim]
+            qk = qkv[:qk_heads]
+            qk = qk * cos + paddle.roll(qk, dim // 2, axis=-1) * sin
+            q = qk[:heads].reshape([kv_heads, heads // kv_heads, rows, dim])
+            k, v = qk[heads:], qkv[qk_heads:]
+            outs = [
+                attend(q, k, v, a, b, cache, index, keep=not last)
+                for (a, b), cache, last in zip(bounds, caches, is_last, strict=True)
+            ]
+            if rows > total:
+                outs.append(paddle.zeros([heads, rows - total, dim], dtype=x.dtype))
+            attn = paddle.concat(outs, axis=1).transpose([1, 0, 2]).reshape([rows, heads * dim])
+            x = x + self._linear(attn, layer.o)
+            h = fused_rms_norm(x, layer.post_norm, None, eps, 1)[0]
+            x = x + self._linear(F.swiglu(self._linear(h, layer.gate_up)), layer.down)
+
+        ends = (batch.start_pos + lens).tolist()
+        for rid, cache, last, end in zip(request_ids, caches, is_last, ends, strict=True):
+            if last:
+                self._cache.pop(rid, None)
+            else:
+                cache.length = end
+                self._cache[rid] = cache
+        return self._head(x, batch, offsets)
+
+    def _head(self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray) -> ForwardOutput:
+        """Greedy token and its log-probability after each finished request's last token."""
+        done = np.flatnonzero(batch.is_last)
+        if len(done) == 0:
+            empty = np.empty(0, dtype=np.int64)
+            return ForwardOutput(empty, empty.astype(np.int32), empty.astype(np.float64))
+        rows = self._padded(len(done), _HEAD_TILE_ROWS)
+        last = np.zeros(rows, dtype=np.int64)
+        last[: len(done)] = offsets[done + 1] - 1
+        h = paddle.gather(x, paddle.to_tensor(last))
+        # deterministic: the whole head (its reductions too, whose rounding also depends on the
+        # row count) runs on fixed [_HEAD_TILE_ROWS, ...] shapes.
+        tiles = paddle.split(h, rows // _HEAD_TILE_ROWS) if self._deterministic else [h]
+        results = [self._greedy(tile) for tile in tiles]
+        tokens = paddle.concat([t for t, _ in results]).numpy()[: len(done)]
+        logprobs = paddle.concat([lp for _, lp in results]).numpy()[: len(done)]
+        return ForwardOutput(
+            request_ids=batch.request_ids[done].astype(np.int64),
+            tokens=tokens.astype(np.int32),
+            logprobs=logprobs.astype(np.float64),
+        )
+
+    def _greedy(self, h: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """argmax token and its log-probability, -log(sum(exp(logits - top))): each term is in
+        (0, 1], so a float32 sum loses ~1e-7 (paddle's float64 logsumexp took 3x longer, and
+        its CPU log_softmax is pathologically slow)."""
+        h = fused_rms_norm(h, self._norm, None, self.spec.rms_norm_eps, 1)[0]
+        logits = paddle.matmul(h, self._lm_head, transpose_y=True).astype("float32")
+        token = paddle.argmax(logits, axis=-1, keepdim=True)
+        top = paddle.take_along_axis(logits, token, axis=-1)
+        total = paddle.exp(logits - top).sum(axis=-1)
+        return token.squeeze(-1), -paddle.log(total.astype("float64"))
