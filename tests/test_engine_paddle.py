@@ -62,7 +62,7 @@ async def test_results_do_not_depend_on_batching_or_policy(deterministic):
 @pytest.mark.asyncio
 async def test_chunked_prefill_equals_unchunked():
     model = PaddleModel(seed=1, **SMALL)
-    batch = prompts(7, 6, max_len=400) + [list(range(1, 500))]
+    batch = [*prompts(7, 6, max_len=400), list(range(1, 500))]
     whole = await run(model, batch, solo=True)
     chunked = await run(model, batch, max_batch_tokens=64, num_workers=2)
     assert any(r.num_chunks > 1 for r in chunked)
