@@ -1,0 +1,94 @@
+"""SIGKILL workers mid-forward, again and again, under thousands of concurrent requests:
+every request ends exactly once, with its own correct result or `WorkerCrashed`."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from aioprefill import Engine, EngineConfig, PrefillResult, WorkerCrashed
+from aioprefill.workers.sim import expected_logprob, expected_token
+from tests.reliability.util import all_ready, busy_worker, kill_worker, prompt, seeded, sim, until
+
+pytestmark = pytest.mark.asyncio
+
+NUM_REQUESTS = 4000
+NUM_KILLS = 6
+
+
+# eager queues one batch per request at a worker: each kill strands hundreds of batches.
+@pytest.mark.parametrize("policy, fixed_ms", [("forward", 3.0), ("eager", 1.0)])
+async def test_repeated_sigkill_under_load_loses_and_duplicates_nothing(
+    policy: str, fixed_ms: float
+):
+    rng = seeded()
+    prompts = [prompt(rng) for _ in range(NUM_REQUESTS)]
+    # Prompts longer than max_batch_tokens are chunked: a kill can land between their chunks.
+    for i in range(0, NUM_REQUESTS, 200):
+        prompts[i] = prompt(rng, rng.randrange(300, 700))
+    cfg = EngineConfig(
+        model=sim(fixed_ms),
+        num_workers=2,
+        policy=policy,
+        max_batch_size=64,
+        max_batch_tokens=256,
+        max_restarts=NUM_KILLS + 1,
+    )
+    outcomes: list[PrefillResult | BaseException | None] = [None] * NUM_REQUESTS
+    calls = [0] * NUM_REQUESTS
+    async with Engine(cfg) as engine:
+
+        async def caller(i: int) -> None:
+            await asyncio.sleep(rng.random() * 3.0)  # arrivals spread over the kills
+            calls[i] += 1
+            try:
+                outcomes[i] = await engine.prefill(prompts[i])
+            except WorkerCrashed as exc:
+                outcomes[i] = exc
+
+        async def killer() -> int:
+            kills = 0
+            local = random.Random(rng.random())
+            while kills < NUM_KILLS:
+                await asyncio.sleep(0.1 + local.random() * 0.1)
+                await until(lambda: busy_worker(engine) is not None, what="a busy worker")
+                victim = busy_worker(engine)
+                assert victim is not None
+                kill_worker(engine, victim)
+                kills += 1
+            return kills
+
+        killing = asyncio.create_task(killer())
+        await asyncio.wait_for(asyncio.gather(*(caller(i) for i in range(NUM_REQUESTS))), 60)
+        if not killing.done():
+            killing.cancel()
+            pytest.fail("the load ended before every kill landed")
+        assert killing.result() == NUM_KILLS
+        stats = engine.stats()
+
+        crashed = 0
+        request_ids = set()
+        for p, outcome in zip(prompts, outcomes, strict=True):
+            assert outcome is not None, "a request never ended"
+            if isinstance(outcome, WorkerCrashed):
+                crashed += 1
+                continue
+            assert isinstance(outcome, PrefillResult)
+            assert outcome.token == expected_token(p) and outcome.num_tokens == len(p)
+            assert outcome.logprob == pytest.approx(expected_logprob(p))
+            request_ids.add(outcome.request_id)
+        assert calls == [1] * NUM_REQUESTS
+        assert len(request_ids) == NUM_REQUESTS - crashed  # no result delivered twice
+        assert stats.completed == NUM_REQUESTS - crashed and stats.failed == crashed
+        assert stats.pending == 0 and stats.in_flight == 0
+        assert stats.retried > 0  # the kills did land mid-forward
+        print(f"{policy}: {NUM_KILLS} kills, {stats.retried} retried, {crashed} failed")
+
+        # Afterwards both workers come back and serve new requests correctly.
+        await until(lambda: all_ready(engine), timeout=15, what="both workers back")
+        fresh = [prompt(rng) for _ in range(200)]
+        results = await asyncio.gather(*(engine.prefill(p) for p in fresh))
+        assert [r.token for r in results] == [expected_token(p) for p in fresh]
+        assert {r.worker for r in results} == {0, 1}
