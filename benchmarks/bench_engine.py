@@ -1,9 +1,13 @@
 """Engine-level costs, each side by side with its floor in one run.
 
 1. Bubble: with a backlog and `SimModel(fixed_ms=2)`, the gap between one forward's end and the
-   next forward's start on one worker (worker clocks), next to a bare eventfd round trip
-   between two processes (asyncio/uvloop on one side, a blocking read on the other) measured
-   in the same run: the wake-up floor any hand-off pays.
+   next forward's start on one worker (worker clocks), for small (4) and full (256) batches,
+   next to two floors measured in the same run between the same two vCPUs (the engine pinned
+   to one, the worker or the echo process to the other, when there are two):
+   - the bare eventfd round trip (uvloop `add_reader` on one side, a blocking read on the other);
+   - the bare hand-off after idle: a process that sleeps 2 ms (the forward), writes an eventfd
+     and blocks until the loop answers; this pays what the bubble pays for waking a vCPU that
+     went idle during the forward, and nothing else.
 2. Overhead: requests/s through the whole engine with `SimModel(fixed_ms=0)` and 1-token prompts,
    for the forward and eager policies, and (with --profile) where the engine's time goes.
 3. Idle: CPU time used by the engine process plus 2 idle workers over 10 s.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import itertools
 import multiprocessing as mp
 import os
 import pstats
@@ -35,12 +40,14 @@ def _echo_child(fd_in: int, fd_out: int) -> None:
         os.eventfd_write(fd_out, 1)
 
 
-async def eventfd_round_trip(n: int) -> np.ndarray:
+async def eventfd_round_trip(n: int, cpu: int | None) -> np.ndarray:
     """Round trip: loop writes efd A; child (blocking read) writes efd B; loop wakes on B."""
     a, b = os.eventfd(0), os.eventfd(0, os.EFD_NONBLOCK)
     ctx = mp.get_context("fork")  # no paddle in this process: fork is safe here
     child = ctx.Process(target=_echo_child, args=(a, b), daemon=True)
     child.start()
+    if cpu is not None:
+        os.sched_setaffinity(child.pid, {cpu})
     loop = asyncio.get_running_loop()
     samples = np.empty(n, dtype=np.int64)
     waiter: asyncio.Future[None] | None = None
@@ -68,13 +75,59 @@ async def eventfd_round_trip(n: int) -> np.ndarray:
     return samples
 
 
-async def bubble(num_requests: int) -> np.ndarray:
+def _handoff_child(fd_in: int, fd_out: int, n: int, result_fd: int) -> None:
+    gaps = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        time.sleep(0.002)  # the "forward": the vCPU goes idle as it does under a real one
+        end = time.monotonic_ns()
+        os.eventfd_write(fd_out, 1)
+        os.eventfd_read(fd_in)
+        gaps[i] = time.monotonic_ns() - end
+    os.write(result_fd, gaps.tobytes())
+
+
+async def handoff_after_idle(n: int, cpu: int | None) -> np.ndarray:
+    """Bare hand-off: child sleeps 2 ms, signals, blocks; the loop answers at once."""
+    a, b = os.eventfd(0), os.eventfd(0, os.EFD_NONBLOCK)
+    r, w = os.pipe()
+    child = mp.get_context("fork").Process(target=_handoff_child, args=(a, b, n, w), daemon=True)
+    child.start()
+    if cpu is not None:
+        os.sched_setaffinity(child.pid, {cpu})
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    count = 0
+
+    def on_b() -> None:
+        nonlocal count
+        os.eventfd_read(b)
+        os.eventfd_write(a, 1)
+        count += 1
+        if count == n:
+            done.set_result(None)
+
+    loop.add_reader(b, on_b)
+    await done
+    loop.remove_reader(b)
+    data = b""
+    while len(data) < 8 * n:
+        data += os.read(r, 1 << 20)
+    child.join()
+    for fd in (a, b, r, w):
+        os.close(fd)
+    return np.frombuffer(data, dtype=np.int64)[20:]
+
+
+async def bubble(num_requests: int, batch_size: int, cpu: int | None) -> np.ndarray:
     """Gaps between consecutive forwards on one worker while a backlog waits."""
-    cfg = EngineConfig(model=SimModel(fixed_ms=2.0, per_token_us=0.0), max_batch_size=4)
+    cfg = EngineConfig(model=SimModel(fixed_ms=2.0, per_token_us=0.0), max_batch_size=batch_size)
     async with Engine(cfg) as engine:
+        if cpu is not None:
+            for pid in engine.worker_pids():
+                os.sched_setaffinity(pid, {cpu})
         results = await asyncio.gather(*(engine.prefill([1]) for _ in range(num_requests)))
     forwards = sorted({(r.forward_start_ns, r.forward_end_ns) for r in results})
-    gaps = [b[0] - a[1] for a, b in zip(forwards, forwards[1:], strict=False)]
+    gaps = [b[0] - a[1] for a, b in itertools.pairwise(forwards)]
     return np.asarray(gaps[5:], dtype=np.int64)
 
 
@@ -127,23 +180,44 @@ async def main(args: argparse.Namespace) -> None:
     n_rt = 2000 if args.quick else 5000
     n_req = 20_000 if args.quick else 50_000
     idle_s = 3.0 if args.quick else 10.0
-    rows = []
+    cpu = None
+    if len(os.sched_getaffinity(0)) >= 2:
+        os.sched_setaffinity(0, {0})  # the engine on vCPU 0, the other side on vCPU 1
+        cpu = 1
+    rows: dict[str, list[tuple[float, float]]] = {}
+
+    def add(name: str, samples: np.ndarray) -> None:
+        rows.setdefault(name, []).append((np.median(samples), np.percentile(samples, 99)))
+
     for rep in range(args.repeats):
-        rt = await eventfd_round_trip(n_rt)
-        gaps = await bubble(2000 if args.quick else 4000)
-        rows.append((np.median(rt), np.percentile(rt, 99), np.median(gaps), np.percentile(gaps, 99)))
-        print(f"  repeat {rep}: floor p50 {_us(rows[-1][0])} us, bubble p50 {_us(rows[-1][2])} us",
-              file=sys.stderr)
-    ratios = [r[2] / r[0] for r in rows]
-    print("\n### Bubble vs the eventfd floor (us; medians over repeats)\n")
+        add("floor: eventfd round trip", await eventfd_round_trip(n_rt, cpu))
+        add("floor: hand-off after a 2 ms idle", await handoff_after_idle(n_rt // 5, cpu))
+        add("bubble, batches of 4", await bubble(4 * (600 if args.quick else 1500), 4, cpu))
+        add("bubble, batches of 256", await bubble(256 * (150 if args.quick else 400), 256, cpu))
+        print(
+            f"  repeat {rep}: " + ", ".join(f"{k} {_us(v[-1][0])}" for k, v in rows.items()),
+            file=sys.stderr,
+        )
+    print(
+        f"\n### Bubble between forwards vs the wake-up floors (us; medians of {args.repeats} runs"
+        f"{', engine on vCPU 0, other side on vCPU 1' if cpu else ''})\n"
+    )
     print("| what | p50 | p99 |")
     print("| --- | --- | --- |")
-    print(f"| bare eventfd round trip (floor) | {_us(statistics.median(r[0] for r in rows))} | "
-          f"{_us(statistics.median(r[1] for r in rows))} |")
-    print(f"| bubble between forwards, backlog, SimModel(fixed_ms=2) | "
-          f"{_us(statistics.median(r[2] for r in rows))} | {_us(statistics.median(r[3] for r in rows))} |")
-    print(f"\nbubble p50 / floor p50, per repeat: {', '.join(f'{x:.2f}' for x in ratios)}; "
-          f"median {statistics.median(ratios):.2f} (target <= 1.5)")
+    for name, v in rows.items():
+        print(
+            f"| {name} | {_us(statistics.median(x[0] for x in v))} | "
+            f"{_us(statistics.median(x[1] for x in v))} |"
+        )
+    for floor in ("floor: eventfd round trip", "floor: hand-off after a 2 ms idle"):
+        for b in ("bubble, batches of 4", "bubble, batches of 256"):
+            ratios = [x[0] / f[0] for x, f in zip(rows[b], rows[floor], strict=True)]
+            print(
+                f"\n{b} / {floor[7:]} (p50, per run): {', '.join(f'{r:.2f}' for r in ratios)}; "
+                f"median {statistics.median(ratios):.2f}",
+                end="",
+            )
+    print("  (target <= 1.5)")
 
     print("\n### Engine overhead: 1-token prompts, SimModel(fixed_ms=0), 1 worker\n")
     print("| policy | requests/s |")
@@ -161,12 +235,16 @@ async def main(args: argparse.Namespace) -> None:
         print("```\n" + report.strip() + "\n```")
 
     cpu = await idle_cpu(idle_s)
-    print(f"\n### Idle\n\nengine + 2 idle workers: {cpu * 1e3:.1f} ms CPU over {idle_s:.0f} s "
-          f"= {100 * cpu / idle_s:.3f}% of one core (target < 1%)")
+    print(
+        f"\n### Idle\n\nengine + 2 idle workers: {cpu * 1e3:.1f} ms CPU over {idle_s:.0f} s "
+        f"= {100 * cpu / idle_s:.3f}% of one core (target < 1%)"
+    )
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)

@@ -82,9 +82,27 @@ class Llama8B:
         return logp.max(dim=-1)
 
 
-SHAPES = [(1, 16), (1, 128), (8, 128), (32, 128), (64, 128), (128, 128), (1, 512), (4, 512),
-          (16, 512), (32, 512), (1, 2048), (2, 2048), (4, 2048), (8, 2048), (1, 4096),
-          (2, 4096), (1, 8192), (2, 8192), (1, 16384)]
+SHAPES = [
+    (1, 16),
+    (1, 128),
+    (8, 128),
+    (32, 128),
+    (64, 128),
+    (128, 128),
+    (1, 512),
+    (4, 512),
+    (16, 512),
+    (32, 512),
+    (1, 2048),
+    (2, 2048),
+    (4, 2048),
+    (8, 2048),
+    (1, 4096),
+    (2, 4096),
+    (1, 8192),
+    (2, 8192),
+    (1, 16384),
+]
 
 
 def main() -> None:
@@ -117,7 +135,12 @@ def main() -> None:
     pred = a @ coef
     fit["max_rel_error"] = float(np.max(np.abs(pred - y) / y))
     print(json.dumps(fit, indent=2))
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "fit": fit}
+    out = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "rows": rows,
+        "fit": fit,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
