@@ -11,19 +11,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from aioprefill import Engine, EngineConfig, PaddleModel, WorkerStartFailed
+from tests.model.batches import SMALL
 
-SMALL = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=2048,
-)
+
+def small(**changes) -> PaddleModel:
+    """The small test model of tests/model, with changes (seed, deterministic, weights...)."""
+    return msgspec.structs.replace(SMALL, **changes)
 
 
 def prompts(seed: int, n: int, max_len: int = 48) -> list[list[int]]:
@@ -43,7 +40,7 @@ async def run(model: PaddleModel, batch: list[list[int]], *, solo: bool = False,
 async def test_results_do_not_depend_on_batching_or_policy(deterministic):
     seed = random.randrange(1 << 20)
     print("seed", seed)
-    model = PaddleModel(seed=3, deterministic=deterministic, **SMALL)
+    model = small(seed=3, deterministic=deterministic)
     batch = prompts(seed, 40)
     solo = await run(model, batch, solo=True)
     assert {r.batch_size for r in solo} == {1}
@@ -61,7 +58,7 @@ async def test_results_do_not_depend_on_batching_or_policy(deterministic):
 
 @pytest.mark.asyncio
 async def test_chunked_prefill_equals_unchunked():
-    model = PaddleModel(seed=1, **SMALL)
+    model = small(seed=1)
     batch = [*prompts(7, 6, max_len=400), list(range(1, 500))]
     whole = await run(model, batch, solo=True)
     chunked = await run(model, batch, max_batch_tokens=64, num_workers=2)
@@ -75,13 +72,13 @@ async def test_chunked_prefill_equals_unchunked():
 async def test_weights_file_loads_and_bad_files_fail_the_start(tmp_path: Path):
     from aioprefill.workers.weights import random_weights, save_weights
 
-    seeded = PaddleModel(seed=5, **SMALL)
+    seeded = small(seed=5)
     weights = random_weights(seeded, 5)
     good = tmp_path / "good.safetensors"
     save_weights(good, weights)
     batch = prompts(3, 5)
     expected = await run(seeded, batch)
-    loaded = await run(PaddleModel(weights=str(good), **SMALL), batch)
+    loaded = await run(small(weights=str(good)), batch)
     assert [r.token for r in loaded] == [r.token for r in expected]
     assert [r.logprob for r in loaded] == pytest.approx([r.logprob for r in expected], abs=1e-6)
 
@@ -89,7 +86,7 @@ async def test_weights_file_loads_and_bad_files_fail_the_start(tmp_path: Path):
     bad = tmp_path / "bad.safetensors"
     save_weights(bad, weights)
     with pytest.raises(WorkerStartFailed, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
-        await run(PaddleModel(weights=str(bad), **SMALL), batch)
+        await run(small(weights=str(bad)), batch)
 
 
 def test_paddle_stays_out_of_the_engine_process():
@@ -100,7 +97,7 @@ def test_paddle_stays_out_of_the_engine_process():
         from aioprefill import Engine, EngineConfig, PaddleModel
 
         async def main():
-            model = PaddleModel(seed=0, **{SMALL!r})
+            model = PaddleModel(**{msgspec.structs.asdict(SMALL)!r})
             async with Engine(EngineConfig(model=model, num_workers=2)) as engine:
                 r = await engine.prefill([1, 2, 3])
                 names = [open(f"/proc/{{p}}/comm").read().strip() for p in engine.worker_pids()]
