@@ -41,7 +41,6 @@ from aioprefill.policy import (
     Chunk,
     Request,
     StagedBatch,
-    chunk_spans,
     is_full,
     least_loaded,
     take_batch,
@@ -386,7 +385,10 @@ class Engine:
         chunks = take_batch(self._pending, w.index, self._budget)
         if not chunks:
             return False
-        return self._send(w, chunks, backlogged=backlogged)
+        if self._send(w, chunks, backlogged=backlogged):
+            return True
+        self._undo(chunks)
+        return False
 
     def _send_staged(self, w: _Worker, *, backlogged: bool) -> bool:
         """Send the staged batch: its columns are ready, so this is O(1) Python work."""
@@ -413,32 +415,39 @@ class Engine:
             self._staged.clear()
 
     def _dispatch_eager(self) -> None:
-        """Send each pending request on its own, at once, to the least-loaded worker."""
+        """Send each pending request on its own, at once, to the least-loaded worker.
+
+        A long prompt's chunks all queue at one worker, in order, each its own batch. On a
+        full ring the request goes back to the head of the queue, from the first unsent chunk.
+        """
+        max_chunk = self._budget.max_batch_tokens
         while self._pending:
             req = self._pending[0]
             if req.cancelled:
                 self._pending.popleft()
                 continue
-            target = self._least_loaded()
+            if req.worker >= 0:  # partly sent: the rest must follow on the same worker
+                pinned = self._workers[req.worker]
+                target = pinned if pinned.usable else None
+            else:
+                target = self._least_loaded()
             if target is None:
                 return
             self._pending.popleft()
-            spans = (
-                chunk_spans(req.num_tokens, self._budget.max_batch_tokens)
-                if self._budget.is_long(req)
-                else [(0, req.num_tokens)]
-            )
-            # A long prompt's chunks all queue at one worker, in order.
-            req.worker = target.index if len(spans) > 1 else -1
-            req.next_pos = req.num_tokens
-            req.num_chunks = len(spans)
-            for k, (start, end) in enumerate(spans):
+            long = self._budget.is_long(req)
+            if long:
+                req.worker = target.index
+            while req.next_pos < req.num_tokens:
+                start = req.next_pos
+                end = min(start + max_chunk, req.num_tokens) if long else req.num_tokens
+                req.next_pos = end
+                req.num_chunks += 1
                 if not self._send(
                     target, [Chunk(req, start, end)], backlogged=bool(target.in_flight)
                 ):
-                    # Ring full: the remaining chunks go back to the front of the queue.
-                    req.next_pos, req.num_chunks = start, k
-                    if k == 0:
+                    req.next_pos = start
+                    req.num_chunks -= 1
+                    if start == 0:
                         req.worker = -1
                     self._pending.appendleft(req)
                     return
@@ -481,7 +490,7 @@ class Engine:
         return self._workers[idx] if idx >= 0 else None
 
     def _send(self, w: _Worker, chunks: list[Chunk], *, backlogged: bool) -> bool:
-        """Encode `chunks` as one PrefillBatch into `w`'s ring. On a full ring, undo and say so."""
+        """Encode `chunks` as one PrefillBatch into `w`'s ring; False (nothing sent) if full."""
         assert w.handle is not None and w.handle.inbox is not None
         batch_id = next(self._batch_ids)
         now = time.monotonic_ns()
@@ -504,8 +513,7 @@ class Engine:
             now,
         )
         if not w.handle.inbox.send_nowait(protocol.encode_into(msg, self._encode_buffer)):
-            self._undo(chunks)
-            w.ring_full = True
+            w.ring_full = True  # the caller puts the chunks back: it knows where they were
             return False
         num_tokens = len(msg.tokens) >> 2
         finished = sum(1 for c in chunks if c.end == c.request.num_tokens)

@@ -34,7 +34,6 @@ __all__ = [
     "Chunk",
     "Request",
     "StagedBatch",
-    "chunk_spans",
     "is_full",
     "least_loaded",
     "take_batch",
@@ -225,11 +224,6 @@ class StagedBatch:
             if req.worker >= 0 or not self.try_add(req, budget):
                 return
             pending.popleft()
-
-
-def chunk_spans(num_tokens: int, max_chunk: int) -> list[tuple[int, int]]:
-    """Split `[0, num_tokens)` into consecutive spans of at most `max_chunk` tokens."""
-    return [(s, min(s + max_chunk, num_tokens)) for s in range(0, num_tokens, max_chunk)]
 
 
 def is_full(num_requests: int, num_tokens: int, budget: Budget) -> bool:

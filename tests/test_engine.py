@@ -224,3 +224,28 @@ async def test_close_drains_accepted_requests():
         await asyncio.sleep(0)
     results = await asyncio.gather(*tasks)
     assert [r.token for r in results] == [expected_token([i + 1]) for i in range(5)]
+
+
+@pytest.mark.parametrize("policy", ["eager", "timeout", "forward"])
+async def test_full_rings_lose_nothing(policy):
+    """A ring this small fills at once: dispatch must stop, wait for results, and resume
+    without losing or duplicating any request (regression: eager lost every request that
+    met a full ring, with pending counted down twice)."""
+    rng = random.Random(11)
+    prompts = [prompt(rng, 3) for _ in range(1500)] + [prompt(rng, 300) for _ in range(5)]
+    rng.shuffle(prompts)
+    cfg = EngineConfig(
+        model=sim(0.0),
+        policy=policy,
+        max_batch_tokens=64,
+        max_batch_size=4,
+        ring_capacity=8192,
+        batch_timeout_ms=1.0,
+    )
+    async with Engine(cfg) as engine:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(engine.prefill(p) for p in prompts)), timeout=60
+        )
+        stats = engine.stats()
+    assert [r.token for r in results] == [expected_token(p) for p in prompts]
+    assert stats.completed == len(prompts) and stats.pending == 0 and stats.in_flight == 0

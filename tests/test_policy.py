@@ -10,7 +10,6 @@ from aioprefill.policy import (
     Budget,
     Request,
     StagedBatch,
-    chunk_spans,
     is_full,
     least_loaded,
     take_batch,
@@ -87,7 +86,6 @@ def test_chunking_disabled_keeps_prompts_whole():
 
 
 def test_helpers():
-    assert chunk_spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
     budget = Budget(max_batch_tokens=100, max_batch_size=3)
     assert is_full(3, 1, budget) and is_full(1, 100, budget) and not is_full(2, 99, budget)
     assert least_loaded([2, 0, 0], [True, True, True]) == 1
