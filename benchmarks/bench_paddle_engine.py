@@ -39,8 +39,10 @@ async def main(args: argparse.Namespace) -> None:
         await engine.start()
         starts.append(time.perf_counter() - t0)
         engines[policy] = engine
-    print(f"engine start to ready (1 worker): first {starts[0]:.2f} s (forkserver imports paddle), "
-          f"second {starts[1]:.2f} s (fork from the preloaded forkserver)\n")
+    print(
+        f"engine start to ready (1 worker): first {starts[0]:.2f} s (forkserver imports paddle), "
+        f"second {starts[1]:.2f} s (fork from the preloaded forkserver)\n"
+    )
     print("| prompt tokens | forward req/s | eager req/s | forward / eager (median of ratios) |")
     print("| --- | --- | --- | --- |")
     try:
@@ -53,9 +55,11 @@ async def main(args: argparse.Namespace) -> None:
                 for policy, engine in engines.items():
                     rates[policy].append(await burst(engine, prompts))
             ratios = [f / e for f, e in zip(rates["forward"], rates["eager"], strict=True)]
-            print(f"| {length} | {statistics.median(rates['forward']):.0f} | "
-                  f"{statistics.median(rates['eager']):.0f} | {statistics.median(ratios):.2f}x "
-                  f"({', '.join(f'{r:.2f}' for r in ratios)}) |")
+            print(
+                f"| {length} | {statistics.median(rates['forward']):.0f} | "
+                f"{statistics.median(rates['eager']):.0f} | {statistics.median(ratios):.2f}x "
+                f"({', '.join(f'{r:.2f}' for r in ratios)}) |"
+            )
     finally:
         for engine in engines.values():
             await engine.close()
