@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from typing import Literal
 
 from aioprefill.workers.paddle_env import configure_math_libraries, keep_freed_memory
@@ -35,6 +36,10 @@ from aioprefill.workers.paddle_env import configure_math_libraries, keep_freed_m
 configure_math_libraries()
 
 import numpy as np  # noqa: E402
+
+# paddle's import warns that ccache (a compiler cache for its C++ extension builder) is missing:
+# noise for a worker that compiles nothing.
+warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
 import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
 from paddle.incubate.nn.functional import fused_rms_norm  # noqa: E402
