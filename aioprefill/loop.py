@@ -264,6 +264,7 @@ class Engine:
         Raises `InvalidRequest` for a bad prompt and, past `max_pending` waiting requests,
         `EngineOverloaded` — or, with `wait=True`, waits for room instead.
         """
+        submitted_ns = time.monotonic_ns()  # TTFT counts any wait for room below
         self._check_open()
         prompt = validate_prompt(tokens, self._vocab_size, self.config.max_prompt_tokens or 0)
         if self._num_pending >= self.config.max_pending:
@@ -279,7 +280,7 @@ class Engine:
         req = Request(
             request_id=next(self._ids),
             tokens=prompt,
-            submitted_ns=time.monotonic_ns(),
+            submitted_ns=submitted_ns,
             handle=future,
         )
         if not (
