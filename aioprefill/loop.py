@@ -22,7 +22,6 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from aioprefill import protocol
@@ -51,6 +50,7 @@ from aioprefill.shm.segments import cleanup_stale_segments
 from aioprefill.stats import EngineStats, StatsRecorder
 from aioprefill.validate import validate_prompt
 from aioprefill.workers.process import WorkerHandle, set_once
+from aioprefill.workers.slot import InFlightBatch, WorkerSlot
 
 __all__ = ["Engine"]
 
@@ -63,38 +63,6 @@ class _State(enum.Enum):
     RUNNING = "running"
     CLOSING = "closing"
     CLOSED = "closed"
-
-
-@dataclass(slots=True, eq=False)
-class _Batch:
-    batch_id: int
-    chunks: list[Chunk]
-    num_tokens: int
-    dispatched_ns: int
-    backlogged: bool  # work was waiting when it was sent: the gap before it is a bubble
-
-
-@dataclass(slots=True, eq=False)
-class _Worker:
-    index: int
-    handle: WorkerHandle | None = None
-    in_flight: deque[_Batch] = field(default_factory=deque)
-    free_ids: list[int] = field(default_factory=list)  # KV state to drop with the next batch
-    ready: bool = False
-    ring_full: bool = False  # the last send found no room: wait for its next result
-    last_forward_end_ns: int = 0
-    timer: asyncio.TimerHandle | None = None
-    deaths: deque[float] = field(default_factory=deque)
-    gave_up: bool = False  # died too often: no more restarts
-
-    @property
-    def usable(self) -> bool:
-        return self.ready and not self.ring_full
-
-    def __repr__(self) -> str:
-        # Short on purpose: asyncio debug mode reprs the args of every timer it cancels, and
-        # the generated repr walks every in-flight batch (quadratic in the backlog).
-        return f"<worker {self.index} ready={self.ready} in_flight={len(self.in_flight)}>"
 
 
 class Engine:
@@ -114,7 +82,7 @@ class Engine:
         self._vocab_size = config.model.vocab_size
         self._state = _State.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._workers = [_Worker(i) for i in range(config.num_workers)]
+        self._workers = [WorkerSlot(i) for i in range(config.num_workers)]
         self._pending: deque[Request] = deque()
         # Policy "forward": the next batch, kept ready while every worker is busy.
         self._staged = StagedBatch()
@@ -157,7 +125,7 @@ class Engine:
             self._state = _State.CLOSED
             await self._cancel_and_wait([*starts, *self._restart_tasks])
             for w in self._workers:
-                self._discard_worker(w, kill=True)
+                w.discard(self._loop, kill=True)
             raise
         self._state = _State.RUNNING
 
@@ -167,21 +135,17 @@ class Engine:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _start_worker(self, w: _Worker) -> None:
+    async def _start_worker(self, w: WorkerSlot) -> None:
         handle = WorkerHandle(w.index, self.config)
         w.handle = handle
         try:
             handle.start()
             await handle.wait_ready(self.config.worker_start_timeout_s)
         except BaseException:
-            self._discard_worker(w, kill=True)
+            w.discard(self._loop, kill=True)
             raise
-        assert self._loop is not None and handle.outbox is not None
-        self._loop.add_reader(handle.outbox.fds()[0], self._on_forward_done, w)
-        self._loop.add_reader(handle.sentinel, self._on_worker_exit, w)
-        w.ready = True
-        w.ring_full = False
-        w.last_forward_end_ns = 0
+        assert self._loop is not None
+        w.watch(self._loop, self._on_forward_done, self._on_worker_exit)
         log.debug("worker %d ready (pid %d)", w.index, handle.pid)
 
     async def close(self, *, drain: bool = True) -> None:
@@ -200,8 +164,8 @@ class Engine:
         self._fail_everything(EngineClosed("engine closed before this request finished"))
         await self._cancel_and_wait(list(self._restart_tasks))
         for w in self._workers:
-            self._unwatch(w)  # from here on a worker's exit is the shutdown, not a death
-            self._cancel_timer(w)
+            w.unwatch(self._loop)  # from here on a worker's exit is the shutdown, not a death
+            w.cancel_timer()
             if w.ready and w.handle is not None and w.handle.inbox is not None:
                 with contextlib.suppress(Exception):
                     w.handle.inbox.send_nowait(protocol.encode(protocol.Shutdown()))
@@ -217,7 +181,7 @@ class Engine:
             handle = w.handle
             if handle is None or handle.process is None:
                 continue
-            self._unwatch(w)
+            w.unwatch(self._loop)
             if handle.is_alive():
                 exited: asyncio.Future[None] = loop.create_future()
                 loop.add_reader(handle.sentinel, set_once, exited)
@@ -227,34 +191,7 @@ class Engine:
                     handle.kill()
                 finally:
                     loop.remove_reader(handle.sentinel)
-            self._discard_worker(w, kill=True)
-
-    def _discard_worker(self, w: _Worker, *, kill: bool) -> None:
-        """Forget a worker's process and channels (its in-flight work must be handled first)."""
-        w.ready = False
-        self._cancel_timer(w)
-        handle, w.handle = w.handle, None
-        if handle is None:
-            return
-        self._unwatch_handle(handle)
-        if kill:
-            handle.kill()
-        if handle.pid > 0:  # never started (a failed launch): nothing to join
-            handle.process.join(timeout=5.0)  # type: ignore[union-attr]
-        handle.close()
-
-    def _unwatch(self, w: _Worker) -> None:
-        if w.handle is not None:
-            self._unwatch_handle(w.handle)
-
-    def _unwatch_handle(self, handle: WorkerHandle) -> None:
-        if self._loop is None or self._loop.is_closed():
-            return
-        if handle.outbox is not None:
-            self._loop.remove_reader(handle.outbox.fds()[0])
-        if handle.process is not None and handle.process.pid is not None:
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(handle.sentinel)
+            w.discard(self._loop, kill=True)
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -377,7 +314,7 @@ class Engine:
         else:
             self._schedule_timeout()
 
-    def _dispatch(self, w: _Worker, *, backlogged: bool) -> bool:
+    def _dispatch(self, w: WorkerSlot, *, backlogged: bool) -> bool:
         staged = self._staged
         if staged:
             staged.drop_cancelled()
@@ -391,7 +328,7 @@ class Engine:
         self._undo(chunks)
         return False
 
-    def _send_staged(self, w: _Worker, *, backlogged: bool) -> bool:
+    def _send_staged(self, w: WorkerSlot, *, backlogged: bool) -> bool:
         """Send the staged batch: its columns are ready, so this is O(1) Python work."""
         assert w.handle is not None and w.handle.inbox is not None
         staged = self._staged
@@ -406,7 +343,9 @@ class Engine:
         num_tokens = staged.num_tokens
         chunks = staged.commit()
         staged.refill(self._pending, self._budget)
-        self._record_sent(w, _Batch(batch_id, chunks, num_tokens, now, backlogged), len(chunks))
+        self._record_sent(
+            w, InFlightBatch(batch_id, chunks, num_tokens, now, backlogged), len(chunks)
+        )
         return True
 
     def _unstage(self) -> None:
@@ -484,13 +423,13 @@ class Engine:
         self._seal_timeout_batch()
         self._schedule_timeout()
 
-    def _least_loaded(self) -> _Worker | None:
+    def _least_loaded(self) -> WorkerSlot | None:
         idx = least_loaded(
             [len(w.in_flight) for w in self._workers], [w.usable for w in self._workers]
         )
         return self._workers[idx] if idx >= 0 else None
 
-    def _send(self, w: _Worker, chunks: list[Chunk], *, backlogged: bool) -> bool:
+    def _send(self, w: WorkerSlot, chunks: list[Chunk], *, backlogged: bool) -> bool:
         """Encode `chunks` as one PrefillBatch into `w`'s ring; False (nothing sent) if full."""
         assert w.handle is not None and w.handle.inbox is not None
         batch_id = next(self._batch_ids)
@@ -518,16 +457,16 @@ class Engine:
             return False
         num_tokens = len(msg.tokens) >> 2
         finished = sum(1 for c in chunks if c.end == c.request.num_tokens)
-        self._record_sent(w, _Batch(batch_id, chunks, num_tokens, now, backlogged), finished)
+        self._record_sent(w, InFlightBatch(batch_id, chunks, num_tokens, now, backlogged), finished)
         return True
 
-    def _record_sent(self, w: _Worker, batch: _Batch, finished: int) -> None:
+    def _record_sent(self, w: WorkerSlot, batch: InFlightBatch, finished: int) -> None:
         """Bookkeeping once a batch is in `w`'s ring; `finished` prompts left the queue."""
         w.free_ids = []
         num_tokens = batch.num_tokens
         chunks = batch.chunks
         if not w.in_flight:
-            self._arm_forward_timer(w)
+            w.arm_timer(self._loop, self.config.forward_timeout_s, self._on_forward_timeout)
         w.in_flight.append(batch)
         self._num_pending -= finished
         self._pending_tokens -= num_tokens
@@ -551,7 +490,7 @@ class Engine:
 
     # ---- results ----------------------------------------------------------------------------
 
-    def _on_forward_done(self, w: _Worker) -> None:
+    def _on_forward_done(self, w: WorkerSlot) -> None:
         """The worker's eventfd fired: a forward ended and its answer waits in the ring.
 
         With policy ``forward`` the worker gets its next batch *before* the answer is even
@@ -579,7 +518,7 @@ class Engine:
                 self._dispatch(w, backlogged=True)
         self._on_worker_readable(w)
 
-    def _on_worker_readable(self, w: _Worker) -> None:
+    def _on_worker_readable(self, w: WorkerSlot) -> None:
         """Read every message the worker wrote, then act on each."""
         handle = w.handle
         if handle is None or handle.outbox is None:
@@ -611,15 +550,15 @@ class Engine:
                 self._stats.protocol_errors += 1
                 log.warning("worker %d sent an unexpected %s", w.index, type(msg).__name__)
 
-    def _on_batch_done(self, w: _Worker, msg: BatchResult | BatchFailed) -> None:
+    def _on_batch_done(self, w: WorkerSlot, msg: BatchResult | BatchFailed) -> None:
         if not w.in_flight or w.in_flight[0].batch_id != msg.batch_id:
             self._stats.protocol_errors += 1
             log.warning("worker %d answered unknown batch %d", w.index, msg.batch_id)
             return
         batch = w.in_flight.popleft()
-        self._cancel_timer(w)
+        w.cancel_timer()
         if w.in_flight:
-            self._arm_forward_timer(w)
+            w.arm_timer(self._loop, self.config.forward_timeout_s, self._on_forward_timeout)
         if batch.backlogged and w.last_forward_end_ns:
             self._stats.bubble_us.add((msg.forward_start_ns - w.last_forward_end_ns) / 1e3)
         w.last_forward_end_ns = msg.forward_end_ns
@@ -642,7 +581,7 @@ class Engine:
             self._resolve_batch(w, batch, msg)
         self._maybe_idle()
 
-    def _resolve_batch(self, w: _Worker, batch: _Batch, msg: BatchResult) -> None:
+    def _resolve_batch(self, w: WorkerSlot, batch: InFlightBatch, msg: BatchResult) -> None:
         try:
             ids, tokens, logprobs = msg.arrays()
         except ProtocolError as exc:
@@ -689,7 +628,7 @@ class Engine:
         if k != len(ids):
             self._stats.protocol_errors += 1
 
-    def _fail_batch(self, w: _Worker, batch: _Batch, msg: BatchFailed) -> None:
+    def _fail_batch(self, w: WorkerSlot, batch: InFlightBatch, msg: BatchFailed) -> None:
         error = ForwardFailed(
             f"worker {w.index} failed batch {batch.batch_id}: {msg.message}",
             worker=w.index,
@@ -712,17 +651,7 @@ class Engine:
 
     # ---- worker failures --------------------------------------------------------------------
 
-    def _arm_forward_timer(self, w: _Worker) -> None:
-        timeout = self.config.forward_timeout_s
-        if timeout is not None and self._loop is not None:
-            w.timer = self._loop.call_later(timeout, self._on_forward_timeout, w)
-
-    def _cancel_timer(self, w: _Worker) -> None:
-        if w.timer is not None:
-            w.timer.cancel()
-            w.timer = None
-
-    def _on_forward_timeout(self, w: _Worker) -> None:
+    def _on_forward_timeout(self, w: WorkerSlot) -> None:
         w.timer = None
         if w.handle is not None:
             log.error(
@@ -732,7 +661,7 @@ class Engine:
             )
             w.handle.kill()  # its sentinel fires next: handled as a death
 
-    def _on_worker_exit(self, w: _Worker) -> None:
+    def _on_worker_exit(self, w: WorkerSlot) -> None:
         handle = w.handle
         if handle is None:
             return
@@ -741,14 +670,14 @@ class Engine:
         if w.handle is handle:  # (unless reading them found its ring corrupt: handled there)
             self._on_worker_death(w)
 
-    def _on_worker_death(self, w: _Worker) -> None:
+    def _on_worker_death(self, w: WorkerSlot) -> None:
         """A worker exited or was killed: retry or fail its requests, restart it with backoff."""
         handle = w.handle
         assert handle is not None and handle.process is not None
         handle.process.join(timeout=5.0)  # reaps it: immediate once its sentinel fired
         code = handle.process.exitcode
         log.error("worker %d (pid %d) died with exit code %s", w.index, handle.pid, code)
-        self._discard_worker(w, kill=False)
+        w.discard(self._loop, kill=False)
         w.ring_full = False
         lost, w.in_flight = w.in_flight, deque()
         w.free_ids = []
@@ -759,7 +688,7 @@ class Engine:
         self._schedule()
         self._maybe_idle()
 
-    def _recover_requests(self, w: _Worker, lost: deque[_Batch], why: str) -> None:
+    def _recover_requests(self, w: WorkerSlot, lost: deque[InFlightBatch], why: str) -> None:
         """Retry (up to max_retries) or fail the requests a dead worker held."""
         seen: set[int] = set()
         requeue: list[Request] = []
@@ -807,13 +736,10 @@ class Engine:
         if not in_queue:
             requeue.append(req)
 
-    def _restart_later(self, w: _Worker) -> None:
-        now = time.monotonic()
-        w.deaths.append(now)
-        while w.deaths and now - w.deaths[0] > self.config.restart_window_s:
-            w.deaths.popleft()
-        if len(w.deaths) > self.config.max_restarts:
-            w.gave_up = True
+    def _restart_later(self, w: WorkerSlot) -> None:
+        cfg = self.config
+        delay = w.note_death(time.monotonic(), cfg.restart_window_s, cfg.max_restarts)
+        if delay is None:
             log.error(
                 "worker %d died %d times in %.0f s: not restarting it",
                 w.index,
@@ -827,12 +753,11 @@ class Engine:
                 )
                 self._fail_everything(self._broken)
             return
-        delay = min(5.0, 0.05 * 2 ** (len(w.deaths) - 1))
         task = asyncio.get_running_loop().create_task(self._restart(w, delay))
         self._restart_tasks.add(task)
         task.add_done_callback(self._restart_tasks.discard)
 
-    async def _restart(self, w: _Worker, delay: float) -> None:
+    async def _restart(self, w: WorkerSlot, delay: float) -> None:
         await asyncio.sleep(delay)  # backoff between restarts, off the hot path
         if self._state not in (_State.STARTING, _State.RUNNING):
             return
