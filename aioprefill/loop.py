@@ -330,16 +330,11 @@ class Engine:
 
     def _send_staged(self, w: WorkerSlot, *, backlogged: bool) -> bool:
         """Send the staged batch: its columns are ready, so this is O(1) Python work."""
-        assert w.handle is not None and w.handle.inbox is not None
         staged = self._staged
-        batch_id = next(self._batch_ids)
-        now = time.monotonic_ns()
-        msg = protocol.make_prefill_batch(
-            batch_id, staged.ids, staged.token_parts, None, None, w.free_ids, now
-        )
-        if not w.handle.inbox.send_nowait(protocol.encode_into(msg, self._encode_buffer)):
-            w.ring_full = True
+        sent = self._write_batch(w, staged.ids, staged.token_parts, None, None)
+        if sent is None:
             return False
+        batch_id, now = sent
         num_tokens = staged.num_tokens
         chunks = staged.commit()
         staged.refill(self._pending, self._budget)
@@ -430,12 +425,12 @@ class Engine:
         return self._workers[idx] if idx >= 0 else None
 
     def _send(self, w: WorkerSlot, chunks: list[Chunk], *, backlogged: bool) -> bool:
-        """Encode `chunks` as one PrefillBatch into `w`'s ring; False (nothing sent) if full."""
-        assert w.handle is not None and w.handle.inbox is not None
-        batch_id = next(self._batch_ids)
-        now = time.monotonic_ns()
-        msg = protocol.make_prefill_batch(
-            batch_id,
+        """Encode `chunks` as one PrefillBatch into `w`'s ring; False (nothing sent) if full.
+
+        On a full ring the caller puts the chunks back: it knows where they were.
+        """
+        sent = self._write_batch(
+            w,
             [c.request.request_id for c in chunks],
             [
                 c.request.tokens
@@ -445,20 +440,37 @@ class Engine:
             ],
             [c.start for c in chunks],
             [
-                (FLAG_FIRST_CHUNK if c.start == 0 else 0)
-                | (FLAG_LAST_CHUNK if c.end == c.request.num_tokens else 0)
+                (FLAG_FIRST_CHUNK if c.start == 0 else 0) | (FLAG_LAST_CHUNK if c.is_last else 0)
                 for c in chunks
             ],
-            w.free_ids,
-            now,
         )
-        if not w.handle.inbox.send_nowait(protocol.encode_into(msg, self._encode_buffer)):
-            w.ring_full = True  # the caller puts the chunks back: it knows where they were
+        if sent is None:
             return False
-        num_tokens = len(msg.tokens) >> 2
-        finished = sum(1 for c in chunks if c.end == c.request.num_tokens)
+        batch_id, now = sent
+        num_tokens = sum(c.num_tokens for c in chunks)
+        finished = sum(1 for c in chunks if c.is_last)
         self._record_sent(w, InFlightBatch(batch_id, chunks, num_tokens, now, backlogged), finished)
         return True
+
+    def _write_batch(
+        self,
+        w: WorkerSlot,
+        request_ids: list[int],
+        token_parts: list[bytes],
+        start_pos: list[int] | None,
+        flags: list[int] | None,
+    ) -> tuple[int, int] | None:
+        """Pack one PrefillBatch into `w`'s ring: (batch id, sent ns), or None if it is full."""
+        assert w.handle is not None and w.handle.inbox is not None
+        batch_id = next(self._batch_ids)
+        now = time.monotonic_ns()
+        msg = protocol.make_prefill_batch(
+            batch_id, request_ids, token_parts, start_pos, flags, w.free_ids, now
+        )
+        if not w.handle.inbox.send_nowait(protocol.encode_into(msg, self._encode_buffer)):
+            w.ring_full = True
+            return None
+        return batch_id, now
 
     def _record_sent(self, w: WorkerSlot, batch: InFlightBatch, finished: int) -> None:
         """Bookkeeping once a batch is in `w`'s ring; `finished` prompts left the queue."""
@@ -513,7 +525,7 @@ class Engine:
                 answered = False  # _on_worker_readable deals with a corrupt ring
             if answered:
                 for c in w.in_flight[0].chunks:  # continuations may ride the next batch
-                    if c.end != c.request.num_tokens:
+                    if not c.is_last:
                         c.request.chunk_in_flight = False
                 self._dispatch(w, backlogged=True)
         self._on_worker_readable(w)

@@ -77,10 +77,6 @@ class Chunk:
         return self.end - self.start
 
     @property
-    def is_first(self) -> bool:
-        return self.start == 0
-
-    @property
     def is_last(self) -> bool:
         return self.end == self.request.num_tokens
 
