@@ -25,6 +25,7 @@ from aioprefill.errors import ProtocolError, WorkerStartFailed
 from aioprefill.protocol import Ready, StartFailed, WorkerSpec
 from aioprefill.shm.channel import Channel
 from aioprefill.workers.main import worker_main
+from aioprefill.workers.main_guard import missing_guard_hint, refuse_while_bootstrapping
 
 __all__ = ["WorkerHandle", "set_once", "start_method_for"]
 
@@ -88,6 +89,7 @@ class WorkerHandle:
         self._method = start_method_for(config)
 
     def start(self) -> None:
+        refuse_while_bootstrapping()  # not multiprocessing's opaque RuntimeError
         ctx = multiprocessing.get_context(self._method)
         if self._method == "forkserver":
             ctx.set_forkserver_preload(PADDLE_PRELOAD)
@@ -132,10 +134,7 @@ class WorkerHandle:
                             f"worker {self.index} failed to start: {msg.error_type}: {msg.message}"
                         )
                     if died.done():
-                        code = self.process.exitcode if self.process else None
-                        raise WorkerStartFailed(
-                            f"worker {self.index} exited with code {code} before it was ready"
-                        )
+                        raise WorkerStartFailed(self._died_before_ready())
                     assert self.outbox is not None
                     waiter = asyncio.ensure_future(self.outbox.wait_async())
                     try:
@@ -153,6 +152,19 @@ class WorkerHandle:
             raise WorkerStartFailed(f"worker {self.index} failed to start: {exc}") from exc
         finally:
             loop.remove_reader(self.sentinel)
+
+    def _died_before_ready(self) -> str:
+        """Why the worker's sentinel fired before Ready: its exit code (read after reaping,
+        which is immediate once the sentinel fired) and, when it fits, the missing guard."""
+        assert self.process is not None
+        self.process.join(timeout=5.0)
+        code = self.process.exitcode
+        why = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
+        hint = missing_guard_hint() if code == 1 else ""
+        return (
+            f"worker {self.index} (pid {self.pid}) exited before it was ready ({why}; its "
+            f"traceback, if any, is on stderr){hint}"
+        )
 
     def _recv_start_message(self) -> Ready | StartFailed | None:
         assert self.outbox is not None
