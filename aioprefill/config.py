@@ -7,6 +7,7 @@ and a bad one raises `InvalidConfig` naming the field.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -15,7 +16,7 @@ import msgspec
 
 from aioprefill.errors import InvalidConfig
 
-__all__ = ["POLICIES", "EngineConfig", "ModelSpec", "PaddleModel", "SimModel"]
+__all__ = ["PADDLE_EXTRA_HINT", "POLICIES", "EngineConfig", "ModelSpec", "PaddleModel", "SimModel"]
 
 POLICIES = ("forward", "eager", "timeout")
 
@@ -144,6 +145,22 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
 
 ModelSpec = SimModel | PaddleModel
 
+PADDLE_EXTRA_HINT = (
+    "pip install 'aioprefill[paddle]' (on a CUDA machine: paddlepaddle-gpu and safetensors)"
+)
+
+
+def _require_paddle_installed() -> None:
+    """PaddleModel's workers import paddle and safetensors: say so now, naming the extra, if
+    either is missing. `find_spec` locates a module without importing it (the engine process
+    never imports paddle)."""
+    missing = [m for m in ("paddle", "safetensors") if importlib.util.find_spec(m) is None]
+    _require(
+        not missing,
+        "EngineConfig.model",
+        f"PaddleModel needs {' and '.join(missing)}, not installed here: {PADDLE_EXTRA_HINT}",
+    )
+
 
 @dataclass(slots=True, kw_only=True)
 class EngineConfig:
@@ -182,6 +199,8 @@ class EngineConfig:
             "EngineConfig.model",
             f"must be SimModel(...) or PaddleModel(...), got {type(self.model).__name__}",
         )
+        if isinstance(self.model, PaddleModel):
+            _require_paddle_installed()
         _positive_int(self.num_workers, "EngineConfig.num_workers")
         _require(
             self.policy in POLICIES,

@@ -30,10 +30,13 @@ __all__ = ["make_runner", "worker_main"]
 
 
 def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
-    from aioprefill.config import PaddleModel
+    from aioprefill.config import PADDLE_EXTRA_HINT, PaddleModel
 
     if isinstance(spec.model, PaddleModel):
-        from aioprefill.workers.paddle_runner import PaddleRunner
+        try:
+            from aioprefill.workers.paddle_runner import PaddleRunner
+        except ModuleNotFoundError as exc:  # EngineConfig checks first; this is the backstop
+            raise ModuleNotFoundError(f"{exc}; PaddleModel needs {PADDLE_EXTRA_HINT}") from exc
 
         return PaddleRunner(spec.model, spec.worker)
     from aioprefill.workers.sim import SimRunner
