@@ -574,6 +574,7 @@ class Engine:
         if batch.backlogged and w.last_forward_end_ns:
             self._stats.bubble_us.add((msg.forward_start_ns - w.last_forward_end_ns) / 1e3)
         w.last_forward_end_ns = msg.forward_end_ns
+        self._stats.record_forward(msg.forward_start_ns, msg.forward_end_ns)
         w.ring_full = False
         for c in batch.chunks:  # continuation chunks become eligible for the next batch
             if not c.is_last:
@@ -615,7 +616,6 @@ class Engine:
                 continue
             future = req.handle
             if not future.done():
-                self._stats.queue_us.add((msg.forward_start_ns - req.submitted_ns) / 1e3)
                 future.set_result(
                     PrefillResult(
                         request_id=req.request_id,
@@ -634,7 +634,7 @@ class Engine:
                         finished_ns=finished_ns,
                     )
                 )
-                self._stats.completed += 1
+                self._stats.record_result(req.submitted_ns, msg.forward_start_ns, finished_ns)
                 self._num_in_flight -= 1
             k += 1
         if k != len(ids):

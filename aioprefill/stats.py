@@ -1,8 +1,9 @@
 """Counters and sample windows behind `engine.stats()`.
 
-Distributions (batch size, batch tokens, queue time, bubble) keep the most recent
-`WINDOW` samples in a preallocated NumPy ring, so memory stays flat however long the engine runs
-and percentiles are exact over that window.
+Distributions (batch size, batch tokens, queue time, TTFT, forward time, bubble) keep the most
+recent `WINDOW` samples in a preallocated NumPy ring, so memory stays flat however long the
+engine runs and percentiles are exact over that window; and, for all time, a cumulative
+histogram with fixed buckets (`aioprefill.histogram`), which adds up across processes.
 """
 
 from __future__ import annotations
@@ -10,30 +11,42 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from aioprefill.histogram import (
+    BATCH_SIZE_BOUNDS,
+    BATCH_TOKENS_BOUNDS,
+    TIME_US_BOUNDS,
+    Histogram,
+    HistogramRecorder,
+)
+
 __all__ = ["Distribution", "EngineStats", "SampleWindow", "StatsRecorder"]
 
 WINDOW = 16384
 
 
 class SampleWindow:
-    """The last `size` samples of one quantity, with exact percentiles over them."""
+    """The last `size` samples of one quantity, with exact percentiles over them, plus an
+    all-time histogram over fixed `bounds`."""
 
-    __slots__ = ("_count", "_data", "_total")
+    __slots__ = ("_count", "_data", "_histogram", "_total")
 
-    def __init__(self, size: int = WINDOW) -> None:
+    def __init__(self, bounds: tuple[float, ...], size: int = WINDOW) -> None:
         self._data = np.zeros(size, dtype=np.float64)
         self._count = 0
         self._total = 0.0
+        self._histogram = HistogramRecorder(bounds)
 
     def add(self, value: float) -> None:
         self._data[self._count % len(self._data)] = value
         self._count += 1
         self._total += value
+        self._histogram.add(value)
 
     def summary(self) -> Distribution:
         n = min(self._count, len(self._data))
+        histogram = self._histogram.snapshot()
         if n == 0:
-            return Distribution(count=self._count)
+            return Distribution(count=self._count, histogram=histogram)
         window = self._data[:n]
         p50, p90, p99 = np.percentile(window, [50, 90, 99])
         return Distribution(
@@ -43,11 +56,13 @@ class SampleWindow:
             p90=float(p90),
             p99=float(p99),
             max=float(window.max()),
+            histogram=histogram,
         )
 
 
 class Distribution(msgspec.Struct, frozen=True, kw_only=True):
-    """Summary of a quantity: `count` over all time, percentiles over the recent window."""
+    """Summary of a quantity: `count` and `histogram` over all time, percentiles over the
+    recent window (exact, but only mergeable through the histogram)."""
 
     count: int = 0
     mean: float = 0.0
@@ -55,10 +70,16 @@ class Distribution(msgspec.Struct, frozen=True, kw_only=True):
     p90: float = 0.0
     p99: float = 0.0
     max: float = 0.0
+    histogram: Histogram | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
-    """A snapshot of `engine.stats()`. Times are in microseconds."""
+    """A snapshot of `engine.stats()`. Times are in microseconds.
+
+    `ttft_us`: submitted to result (what the caller waited); `queue_us`: submitted to the start
+    of the forward that finished it; `forward_us`: one forward as the worker timed it;
+    `bubble_us`: a backlogged worker's idle gap between two forwards.
+    """
 
     submitted: int
     completed: int
@@ -75,6 +96,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     batch_size: Distribution
     batch_tokens: Distribution
     queue_us: Distribution
+    ttft_us: Distribution
+    forward_us: Distribution
     bubble_us: Distribution
 
 
@@ -92,10 +115,22 @@ class StatsRecorder:
         self.retried = 0
         self.worker_restarts = 0
         self.protocol_errors = 0
-        self.batch_size = SampleWindow()
-        self.batch_tokens = SampleWindow()
-        self.queue_us = SampleWindow()
-        self.bubble_us = SampleWindow()
+        self.batch_size = SampleWindow(BATCH_SIZE_BOUNDS)
+        self.batch_tokens = SampleWindow(BATCH_TOKENS_BOUNDS)
+        self.queue_us = SampleWindow(TIME_US_BOUNDS)
+        self.ttft_us = SampleWindow(TIME_US_BOUNDS)
+        self.forward_us = SampleWindow(TIME_US_BOUNDS)
+        self.bubble_us = SampleWindow(TIME_US_BOUNDS)
+
+    def record_result(self, submitted_ns: int, forward_start_ns: int, finished_ns: int) -> None:
+        """A request's result reached its caller."""
+        self.completed += 1
+        self.queue_us.add((forward_start_ns - submitted_ns) / 1e3)
+        self.ttft_us.add((finished_ns - submitted_ns) / 1e3)
+
+    def record_forward(self, start_ns: int, end_ns: int) -> None:
+        """A worker answered a batch (results or failure): how long its forward took."""
+        self.forward_us.add((end_ns - start_ns) / 1e3)
 
     def snapshot(self, *, pending: int, in_flight: int) -> EngineStats:
         return EngineStats(
@@ -114,5 +149,7 @@ class StatsRecorder:
             batch_size=self.batch_size.summary(),
             batch_tokens=self.batch_tokens.summary(),
             queue_us=self.queue_us.summary(),
+            ttft_us=self.ttft_us.summary(),
+            forward_us=self.forward_us.summary(),
             bubble_us=self.bubble_us.summary(),
         )
