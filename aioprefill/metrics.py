@@ -95,7 +95,7 @@ class EngineCollector(Collector):
 
 def _histogram(name: str, doc: str, hist: Histogram, scale: float) -> HistogramMetricFamily:
     buckets: list[tuple[str, float]] = [
-        (repr(bound * scale), float(count))
+        (repr(float(f"{bound * scale:.12g}")), float(count))  # "1e-05", not "9.99...e-06"
         for bound, count in zip(hist.bounds, hist.counts, strict=False)
     ]
     buckets.append(("+Inf", float(hist.count)))

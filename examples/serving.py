@@ -1,0 +1,98 @@
+"""What both example servers share: command-line flags, the engine config, JSON bodies, and the
+mapping from aioprefill's errors to HTTP statuses. The servers themselves are
+`aiohttp_server.py` and `starlette_server.py`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from aioprefill import (
+    AioprefillError,
+    EngineClosed,
+    EngineConfig,
+    EngineOverloaded,
+    InvalidRequest,
+    PaddleModel,
+    PrefillResult,
+    SimModel,
+    WorkerStartFailed,
+)
+
+BODY_HINT = 'the body must be a JSON object like {"tokens": [1, 2, 3]}'
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", choices=["sim", "paddle"], default="sim")
+    p.add_argument("--workers", type=int, default=1, help="engine worker processes")
+    p.add_argument("--policy", default="forward")
+    p.add_argument("--sim-fixed-ms", type=float, default=5.0)
+    p.add_argument("--sim-per-token-us", type=float, default=20.0)
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument(
+        "--json",
+        choices=["msgspec", "orjson", "stdlib"],
+        default="msgspec",
+        help="JSON codec for request and response bodies",
+    )
+    return p.parse_args()
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    model: SimModel | PaddleModel
+    if args.model == "sim":
+        model = SimModel(fixed_ms=args.sim_fixed_ms, per_token_us=args.sim_per_token_us)
+    else:
+        model = PaddleModel(seed=0)
+    return EngineConfig(
+        model=model,
+        num_workers=args.workers,
+        policy=args.policy,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+
+
+def codec(name: str) -> tuple[Callable[[bytes], Any], Callable[[Any], bytes]]:
+    """(loads, dumps) for the chosen JSON library, picked once at startup."""
+    if name == "orjson":
+        import orjson
+
+        return orjson.loads, orjson.dumps
+    if name == "stdlib":
+        return json.loads, lambda obj: json.dumps(obj).encode()
+    return msgspec.json.decode, msgspec.json.encode
+
+
+def tokens_from(body: Any) -> Any:
+    """The prompt from a decoded body; the engine validates the ids themselves."""
+    if not isinstance(body, dict) or "tokens" not in body:
+        raise InvalidRequest(BODY_HINT)
+    return body["tokens"]
+
+
+def result_body(r: PrefillResult) -> dict[str, Any]:
+    return {
+        "token": r.token,
+        "logprob": r.logprob,
+        "worker": r.worker,
+        "batch_size": r.batch_size,
+        "num_tokens": r.num_tokens,
+        "ttft_us": r.ttft_ns // 1000,
+    }
+
+
+def error_status(exc: AioprefillError) -> int:
+    """400 for a bad prompt (the library's message is the body), 503 when the engine cannot take
+    it now (overloaded, closing, no worker), 500 when it failed while running."""
+    if isinstance(exc, InvalidRequest):
+        return 400
+    if isinstance(exc, (EngineOverloaded, EngineClosed, WorkerStartFailed)):
+        return 503
+    return 500
