@@ -20,7 +20,7 @@ POINT_KEYS = {
     "policy", "kind", "label", "offered_rps", "concurrency", "duration_s", "partial",
     "host_load_1m", "n_submitted", "n_completed", "n_failed", "errors", "ttft_ms", "queue_ms",
     "forward_ms", "return_ms", "generator_lag_ms", "throughput", "batches", "batch_size",
-    "batch_tokens", "bubble_us", "utilization", "goodput", "engine_stats",
+    "batch_tokens", "bubble_us", "utilization", "goodput", "ideal", "engine_stats",
 }  # fmt: skip
 DIST_KEYS = {"mean", "p50", "p90", "p99", "max"}
 
@@ -79,6 +79,12 @@ def test_json_has_every_field(sweep):
         # forwards sleep 10 ms + 20 us/token (forward_ms is per request, batch_tokens per batch)
         fwd = 10.0 + 0.02 * p["batch_tokens"]["p50"]
         assert p["forward_ms"]["p50"] == pytest.approx(fwd, rel=0.5)
+        if p["kind"] == "saturation":
+            assert p["ideal"] is None  # a closed loop has no arrival schedule to replay
+        else:  # nothing beats a zero-overhead engine (beyond the timer noise of a real sleep)
+            ideal = p["ideal"]
+            assert 0 < ideal["ttft_ms"]["mean"] <= ideal["single_ttft_ms"]["mean"]
+            assert 0 < ideal["efficiency"]["mean"] < 1.05 and 0 < ideal["efficiency"]["p99"] < 1.05
 
 
 def test_sane_values(sweep):
