@@ -20,7 +20,15 @@ import argparse
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from serving import codec, engine_config, error_status, parse_args, result_body, tokens_from
+from serving import (
+    codec,
+    engine_config,
+    error_status,
+    parse_args,
+    profiled,
+    result_body,
+    tokens_from,
+)
 
 from aioprefill import AioprefillError, Engine, metrics
 
@@ -34,10 +42,11 @@ def create_app(args: argparse.Namespace) -> web.Application:
     app = web.Application()
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
-        async with Engine(config) as engine:
-            app[ENGINE] = engine
-            app[REGISTRY] = metrics.registry_for(engine)
-            yield
+        with profiled(args.profile):
+            async with Engine(config) as engine:
+                app[ENGINE] = engine
+                app[REGISTRY] = metrics.registry_for(engine)
+                yield
 
     def json_response(obj: object, status: int = 200) -> web.Response:
         return web.Response(body=dumps(obj), status=status, content_type="application/json")

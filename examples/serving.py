@@ -5,8 +5,9 @@ mapping from aioprefill's errors to HTTP statuses. The servers themselves are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -42,7 +43,36 @@ def parse_args(description: str) -> argparse.Namespace:
         default="msgspec",
         help="JSON codec for request and response bodies",
     )
+    p.add_argument(
+        "--http",
+        choices=["httptools", "h11"],
+        default="httptools",
+        help="uvicorn's HTTP parser (ASGI servers only)",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="PATH",
+        default=None,
+        help="cProfile the server's event-loop thread, written to PATH at shutdown",
+    )
     return p.parse_args()
+
+
+@contextlib.contextmanager
+def profiled(path: str | None) -> Iterator[None]:
+    """cProfile the server (benchmarks/bench_servers.py --profile) from startup to shutdown."""
+    if path is None:
+        yield
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        prof.dump_stats(path)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

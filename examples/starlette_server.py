@@ -24,7 +24,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
-from serving import codec, engine_config, error_status, parse_args, result_body, tokens_from
+from serving import (
+    codec,
+    engine_config,
+    error_status,
+    parse_args,
+    profiled,
+    result_body,
+    tokens_from,
+)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -59,10 +67,11 @@ def create_app(args: argparse.Namespace) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with Engine(config) as engine:
-            state["engine"] = engine
-            state["registry"] = metrics.registry_for(engine)
-            yield
+        with profiled(args.profile):
+            async with Engine(config) as engine:
+                state["engine"] = engine
+                state["registry"] = metrics.registry_for(engine)
+                yield
 
     def json_response(obj: object, status: int = 200) -> Response:
         return Response(dumps(obj), status_code=status, media_type="application/json")
@@ -105,7 +114,7 @@ if __name__ == "__main__":  # workers re-import this module: the guard keeps the
         host=args.host,
         port=args.port,
         loop="uvloop",
-        http="httptools",
+        http=args.http,
         lifespan="on",
         access_log=False,
         log_level="warning",

@@ -1,6 +1,6 @@
 """The example servers as real processes on 127.0.0.1, driven over HTTP by a real client.
 
-Each example (aiohttp, Starlette+uvicorn) is started with `python examples/<name>.py` and a
+Each example (aiohttp, Starlette+uvicorn, bare ASGI+uvicorn) is started with `python examples/<name>.py` and a
 SimModel engine (CI stays fast), then: a few hundred concurrent requests each get their own
 result; bad bodies get 400 with the library's own message; a client that disconnects mid-flight
 has its request cancelled inside the engine; SIGTERM with requests in flight answers all of
@@ -29,7 +29,10 @@ from aioprefill import InvalidRequest
 from aioprefill.validate import validate_prompt
 from aioprefill.workers.sim import expected_token
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.parametrize("example", ["aiohttp", "starlette"])]
+pytestmark = [
+    pytest.mark.asyncio,
+    pytest.mark.parametrize("example", ["aiohttp", "starlette", "asgi"]),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")

@@ -1,0 +1,231 @@
+"""Server CPU per request and requests/s of the example HTTP fronts, side by side in one run.
+
+Each variant is a real server process from `examples/` on 127.0.0.1 (a SimModel engine with one
+worker: 1 ms + 2 us/token forwards, so the engine is never the bottleneck), driven by the same
+client (one aiohttp `ClientSession`, keep-alive, in this process) through two phases:
+
+* bursty: bursts of `--burst` requests (64-token prompts, bodies pre-encoded) every
+  `--interval-ms`, open loop, for `--duration` s: the server CPU a request costs at a load the
+  server keeps up with;
+* saturated: `--concurrency` requests always outstanding for `--duration` s: requests/s when
+  the front is the bottleneck (the client shares the machine: compare ratios, not absolutes).
+
+Server CPU is the server process's utime+stime from /proc/PID/stat over the phase (the engine's
+worker processes excluded), divided by the requests answered. Variants run in interleaved
+rounds (`--rounds`), medians reported. `--profile` adds one cProfile run per variant and prints
+where the server's event-loop thread spent its time, grouped by package.
+
+    python benchmarks/bench_servers.py [--rounds 3] [--duration 5] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pstats
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+TICK = os.sysconf("SC_CLK_TCK")
+
+# name -> (script, flags)
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "aiohttp, json": ("aiohttp_server.py", ["--json", "stdlib"]),
+    "aiohttp, msgspec": ("aiohttp_server.py", ["--json", "msgspec"]),
+    "starlette+uvicorn h11, json": ("starlette_server.py", ["--http", "h11", "--json", "stdlib"]),
+    "starlette+uvicorn httptools, json": ("starlette_server.py", ["--json", "stdlib"]),
+    "starlette+uvicorn httptools, orjson": ("starlette_server.py", ["--json", "orjson"]),
+    "starlette+uvicorn httptools, msgspec": ("starlette_server.py", ["--json", "msgspec"]),
+    "bare ASGI+uvicorn httptools, msgspec": ("asgi_server.py", ["--json", "msgspec"]),
+}
+SIM = ["--sim-fixed-ms", "1", "--sim-per-token-us", "2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+class Server:
+    def __init__(self, script: str, flags: list[str], profile: str | None = None) -> None:
+        self.port = free_port()
+        extra = ["--profile", profile] if profile else []
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / script), "--port", str(self.port),
+             *SIM, *flags, *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def ready(self, session: aiohttp.ClientSession) -> None:
+        for _ in range(600):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server died: {self.proc.stderr.read().decode()}")  # type: ignore[union-attr]
+            try:
+                async with session.get(self.url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+        raise RuntimeError("server not ready")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: bytes) -> bool:
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        await r.read()
+        return r.status == 200
+
+
+async def bursty(session, url, bodies, burst: int, interval: float, duration: float) -> int:
+    loop = asyncio.get_running_loop()
+    tasks = []
+    t0 = loop.time()
+    k = 0
+    while loop.time() - t0 < duration:
+        tasks += [asyncio.ensure_future(post(session, url, bodies[(k * burst + i) % len(bodies)]))
+                  for i in range(burst)]  # fmt: skip
+        k += 1
+        await asyncio.sleep(max(0.0, t0 + k * interval - loop.time()))
+    return sum(await asyncio.gather(*tasks))
+
+
+async def saturated(session, url, bodies, concurrency: int, duration: float) -> int:
+    stop = asyncio.get_running_loop().time() + duration
+    done = 0
+
+    async def client(i: int) -> None:
+        nonlocal done
+        while asyncio.get_running_loop().time() < stop:
+            done += await post(session, url, bodies[i % len(bodies)])
+            i += concurrency
+
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    return done
+
+
+async def measure(name: str, args: argparse.Namespace, bodies: list[bytes]) -> dict[str, float]:
+    script, flags = VARIANTS[name]
+    server = Server(script, flags)
+    conn = aiohttp.TCPConnector(limit=max(args.burst * 4, args.concurrency))
+    try:
+        async with aiohttp.ClientSession(connector=conn) as session:
+            await server.ready(session)
+            url = server.url + "/prefill"
+            await saturated(session, url, bodies, args.concurrency, 0.5)  # warm up connections
+            out: dict[str, float] = {}
+            c0 = cpu_s(server.proc.pid)
+            n = await bursty(session, url, bodies, args.burst, args.interval_ms / 1e3,
+                             args.duration)  # fmt: skip
+            out["bursty_cpu_ms"] = (cpu_s(server.proc.pid) - c0) * 1e3 / n
+            c0, t0 = cpu_s(server.proc.pid), time.monotonic()
+            n = await saturated(session, url, bodies, args.concurrency, args.duration)
+            wall = time.monotonic() - t0
+            out["sat_cpu_ms"] = (cpu_s(server.proc.pid) - c0) * 1e3 / n
+            out["sat_rps"] = n / wall
+            out["sat_server_util"] = (cpu_s(server.proc.pid) - c0) / wall
+    finally:
+        server.stop()
+    return out
+
+
+async def profile(name: str, args: argparse.Namespace, bodies: list[bytes]) -> dict[str, float]:
+    script, flags = VARIANTS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "prof")
+        server = Server(script, flags, profile=path)
+        async with aiohttp.ClientSession() as session:
+            await server.ready(session)
+            n = await bursty(session, server.url + "/prefill", bodies, args.burst,
+                             args.interval_ms / 1e3, args.duration)  # fmt: skip
+        server.stop()
+        by_group: dict[str, float] = defaultdict(float)
+        for (file, _, func), row in pstats.Stats(path).stats.items():  # type: ignore[attr-defined]
+            by_group[_group(file, func)] += row[2]  # tottime
+    total = sum(by_group.values())
+    return {g: t / total for g, t in by_group.items()} | {"_us_per_req": total / n * 1e6}
+
+
+def _group(file: str, func: str) -> str:
+    if "aioprefill" in file:
+        return "aioprefill engine"
+    for key in ("aiohttp", "starlette", "uvicorn", "httptools", "h11", "prometheus"):
+        if f"/{key}/" in file or f"{key}." in func:
+            return key
+    if "json" in file or "json" in func or "msgspec" in func or "orjson" in func:
+        return "JSON"
+    if "asyncio" in file or "uvloop" in file or "uvloop" in func:
+        return "asyncio/uvloop"
+    if "socket" in func or "send" in func or "recv" in func or "transport" in func:
+        return "socket I/O"
+    return "other"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per phase")
+    p.add_argument("--burst", type=int, default=32)
+    p.add_argument("--interval-ms", type=float, default=100.0)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    names = [n.strip() for n in args.variants.split(",")]
+    rng = random.Random(0)
+    bodies = [b'{"tokens": [%s]}' % b", ".join(b"%d" % rng.randrange(1, 32000) for _ in range(64))
+              for _ in range(256)]  # fmt: skip
+    print(f"bursts of {args.burst} every {args.interval_ms:g} ms "
+          f"({args.burst * 1000 / args.interval_ms:.0f} req/s offered), then {args.concurrency} "
+          f"concurrent; {args.duration:g} s per phase; {args.rounds} interleaved rounds; "
+          f"{os.cpu_count()} CPUs", flush=True)  # fmt: skip
+    runs: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for r in range(args.rounds):
+        for name in names:
+            runs[name].append(asyncio.run(measure(name, args, bodies)))
+            print(f"  round {r + 1}: {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+    width = max(map(len, names))
+    print(f"\n{'front':<{width}}  bursty CPU ms/req  saturated req/s  CPU ms/req  server CPU")
+    for name in names:
+        med = {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]}
+        print(f"{name:<{width}}  {med['bursty_cpu_ms']:17.3f}  {med['sat_rps']:15.0f}  "
+              f"{med['sat_cpu_ms']:10.3f}  {100 * med['sat_server_util']:9.0f}%")  # fmt: skip
+    if args.profile:
+        print("\nwhere the server's event-loop thread spends its time (cProfile tottime, bursty):")
+        for name in names:
+            shares = asyncio.run(profile(name, args, bodies))
+            us = shares.pop("_us_per_req")
+            top = ", ".join(f"{g} {100 * s:.0f}%" for g, s in
+                            sorted(shares.items(), key=lambda kv: -kv[1]) if s >= 0.02)  # fmt: skip
+            print(f"{name:<{width}}  {us:6.0f} us/req profiled: {top}")
+
+
+if __name__ == "__main__":
+    main()
