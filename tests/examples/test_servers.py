@@ -1,10 +1,11 @@
 """The example servers as real processes on 127.0.0.1, driven over HTTP by a real client.
 
 Each example (aiohttp, Starlette+uvicorn, bare ASGI+uvicorn) is started with
-`python examples/<name>_server.py` and a SimModel engine (CI stays fast), then: a few hundred concurrent requests each get their own
-result; bad bodies get 400 with the library's own message; a client that disconnects mid-flight
-has its request cancelled inside the engine; SIGTERM with requests in flight answers all of
-them and leaves no worker process and no /dev/shm entry.
+`python examples/<name>_server.py` and a SimModel engine (CI stays fast), then: a few hundred
+concurrent requests each get their own result; bad bodies get 400 with the library's own
+message; a client that disconnects mid-flight has its request cancelled inside the engine;
+SIGTERM with requests in flight answers all of them and leaves no worker process and no
+/dev/shm entry.
 """
 
 from __future__ import annotations
