@@ -7,6 +7,7 @@ async with Engine(EngineConfig(model=PaddleModel(seed=0), num_workers=2)) as eng
 from aioprefill.config import EngineConfig, PaddleModel, SimModel
 from aioprefill.errors import (
     AioprefillError,
+    DeadlineExceeded,
     EngineClosed,
     EngineOverloaded,
     ForwardFailed,
@@ -16,6 +17,7 @@ from aioprefill.errors import (
     ProtocolError,
     WorkerCrashed,
     WorkerStartFailed,
+    WrongLoop,
 )
 from aioprefill.loop import Engine
 from aioprefill.result import PrefillResult
@@ -23,6 +25,7 @@ from aioprefill.stats import EngineStats
 
 __all__ = [
     "AioprefillError",
+    "DeadlineExceeded",
     "Engine",
     "EngineClosed",
     "EngineConfig",
@@ -38,5 +41,6 @@ __all__ = [
     "SimModel",
     "WorkerCrashed",
     "WorkerStartFailed",
+    "WrongLoop",
 ]
 __version__ = "0.1.0"

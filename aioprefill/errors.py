@@ -5,7 +5,9 @@ AioprefillError
 ├── InvalidRequest(ValueError)        a prompt was refused before anything was queued
 │   └── InvalidRequestType(TypeError) ... because of its type (not a list/1-D int array)
 ├── EngineOverloaded                  max_pending requests already wait
-├── EngineClosed(RuntimeError)        the engine is closing or closed
+├── EngineClosed(RuntimeError)        the engine is closing, draining or closed
+├── WrongLoop(RuntimeError)           called from a loop or thread other than the engine's
+├── DeadlineExceeded(TimeoutError)    a request was not dispatched by its deadline_s
 ├── WorkerCrashed                     the worker running the request died (after retries)
 ├── WorkerStartFailed                 a worker could not start (or keeps dying)
 ├── ForwardFailed(RuntimeError)       the model raised inside a forward; carries its message
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 __all__ = [
     "AioprefillError",
+    "DeadlineExceeded",
     "EngineClosed",
     "EngineOverloaded",
     "ForwardFailed",
@@ -27,6 +30,7 @@ __all__ = [
     "ProtocolError",
     "WorkerCrashed",
     "WorkerStartFailed",
+    "WrongLoop",
 ]
 
 
@@ -52,6 +56,16 @@ class EngineOverloaded(AioprefillError):
 
 class EngineClosed(AioprefillError, RuntimeError):
     """The engine is closing or closed; it never reopens."""
+
+
+class WrongLoop(AioprefillError, RuntimeError):
+    """A coroutine of the engine was awaited on a loop or thread other than the one that
+    started it. An engine's state belongs to one event loop; from another thread use
+    `engine.submit_threadsafe()`."""
+
+
+class DeadlineExceeded(AioprefillError, TimeoutError):
+    """The request was not dispatched to a worker by its `deadline_s`; it never ran."""
 
 
 class WorkerCrashed(AioprefillError):

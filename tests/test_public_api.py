@@ -7,6 +7,7 @@ def test_public_names_are_pinned():
     assert sorted(aioprefill.__all__) == sorted(
         [
             "AioprefillError",
+            "DeadlineExceeded",
             "Engine",
             "EngineClosed",
             "EngineConfig",
@@ -22,6 +23,7 @@ def test_public_names_are_pinned():
             "SimModel",
             "WorkerCrashed",
             "WorkerStartFailed",
+            "WrongLoop",
         ]
     )
     for name in aioprefill.__all__:
@@ -39,11 +41,15 @@ def test_error_tree():
         err.WorkerStartFailed,
         err.InvalidConfig,
         err.ProtocolError,
+        err.WrongLoop,
+        err.DeadlineExceeded,
     ):
         assert issubclass(cls, err.AioprefillError)
     assert issubclass(err.InvalidRequest, ValueError)
     assert issubclass(err.InvalidRequestType, TypeError)
     assert issubclass(err.InvalidConfig, ValueError)
+    assert issubclass(err.WrongLoop, RuntimeError)  # DESIGN.md: also a RuntimeError
+    assert issubclass(err.DeadlineExceeded, TimeoutError)
 
 
 def test_prefill_result_has_the_contract_fields():
