@@ -2,14 +2,15 @@
 
 Each variant is a real server process from `examples/` on 127.0.0.1 (a SimModel engine with one
 worker: 1 ms + 2 us/token forwards, so the engine is never the bottleneck), driven by the same
-client (one aiohttp `ClientSession`, keep-alive, in this process) through two phases:
+client (bare keep-alive HTTP/1.1 connections on uvloop, in this process: the cheapest Python
+client, so that the server saturates first) through two phases:
 
 * bursty: bursts of `--burst` requests (64-token prompts, bodies pre-encoded) every
   `--interval-ms`, open loop, for `--duration` s: the server CPU a request costs at a load the
   server keeps up with;
-* saturated: `--concurrency` requests always outstanding for `--duration` s. On a 2-CPU
-  machine the Python client, not the server, is the bottleneck here (see the server CPU
-  column): read its requests/s as a floor, and its CPU per request as the figure that counts.
+* saturated: `--concurrency` requests always outstanding for `--duration` s: requests/s with
+  the server as busy as it gets (the "server CPU" column says how busy: the client shares the
+  machine's CPUs, so below 100% the client limited it too).
 
 Server CPU is the server process's CPU time (all its threads, /proc/PID/task/*/schedstat) over
 the phase (the engine's worker processes excluded), divided by the requests answered. Variants
@@ -39,6 +40,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import aiohttp
+import uvloop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,33 +107,75 @@ class Server:
             self.proc.wait()
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: bytes) -> bool:
-    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
-        await r.read()
-        return r.status == 200
+class Connection:
+    """A bare keep-alive HTTP/1.1 connection: the cheapest client Python has, so the server,
+    not the client, is what saturates (aiohttp's client costs more CPU than the servers)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> Connection:
+        return cls(*await asyncio.open_connection("127.0.0.1", port))
+
+    async def post(self, body: bytes) -> bool:
+        self.writer.write(
+            b"POST /prefill HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        await self.reader.readexactly(length)
+        return head.startswith(b"HTTP/1.1 200")
+
+    def close(self) -> None:
+        self.writer.close()
 
 
-async def bursty(session, url, bodies, burst: int, interval: float, duration: float) -> int:
+class Pool:
+    """Idle connections, opened on demand: one per request in flight."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.idle: list[Connection] = []
+
+    async def post(self, body: bytes) -> bool:
+        conn = self.idle.pop() if self.idle else await Connection.open(self.port)
+        ok = await conn.post(body)
+        self.idle.append(conn)
+        return ok
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.close()
+
+
+async def bursty(
+    pool: Pool, bodies: list[bytes], burst: int, interval: float, duration: float
+) -> int:
     loop = asyncio.get_running_loop()
     tasks = []
     t0 = loop.time()
     k = 0
     while loop.time() - t0 < duration:
-        tasks += [asyncio.ensure_future(post(session, url, bodies[(k * burst + i) % len(bodies)]))
+        tasks += [asyncio.ensure_future(pool.post(bodies[(k * burst + i) % len(bodies)]))
                   for i in range(burst)]  # fmt: skip
         k += 1
         await asyncio.sleep(max(0.0, t0 + k * interval - loop.time()))
     return sum(await asyncio.gather(*tasks))
 
 
-async def saturated(session, url, bodies, concurrency: int, duration: float) -> int:
+async def saturated(pool: Pool, bodies: list[bytes], concurrency: int, duration: float) -> int:
     stop = asyncio.get_running_loop().time() + duration
     done = 0
 
     async def client(i: int) -> None:
         nonlocal done
         while asyncio.get_running_loop().time() < stop:
-            ok = await post(session, url, bodies[i % len(bodies)])
+            ok = await pool.post(bodies[i % len(bodies)])
             done += ok  # not `done += await ...`: that reads `done` before the await
             i += concurrency
 
@@ -142,24 +186,24 @@ async def saturated(session, url, bodies, concurrency: int, duration: float) -> 
 async def measure(name: str, args: argparse.Namespace, bodies: list[bytes]) -> dict[str, float]:
     script, flags = VARIANTS[name]
     server = Server(script, flags)
-    conn = aiohttp.TCPConnector(limit=max(args.burst * 4, args.concurrency))
+    pool = Pool(server.port)
     try:
-        async with aiohttp.ClientSession(connector=conn) as session:
+        async with aiohttp.ClientSession() as session:
             await server.ready(session)
-            url = server.url + "/prefill"
-            await saturated(session, url, bodies, args.concurrency, 0.5)  # warm up connections
-            out: dict[str, float] = {}
-            c0 = cpu_s(server.proc.pid)
-            n = await bursty(session, url, bodies, args.burst, args.interval_ms / 1e3,
-                             args.duration)  # fmt: skip
-            out["bursty_cpu_ms"] = (cpu_s(server.proc.pid) - c0) * 1e3 / n
-            c0, t0 = cpu_s(server.proc.pid), time.monotonic()
-            n = await saturated(session, url, bodies, args.concurrency, args.duration)
-            wall = time.monotonic() - t0
-            out["sat_cpu_ms"] = (cpu_s(server.proc.pid) - c0) * 1e3 / n
-            out["sat_rps"] = n / wall
-            out["sat_server_util"] = (cpu_s(server.proc.pid) - c0) / wall
+        await saturated(pool, bodies, args.concurrency, 0.5)  # warm up, open the connections
+        out: dict[str, float] = {}
+        pid = server.proc.pid
+        c0 = cpu_s(pid)
+        n = await bursty(pool, bodies, args.burst, args.interval_ms / 1e3, args.duration)
+        out["bursty_cpu_ms"] = (cpu_s(pid) - c0) * 1e3 / n
+        c0, t0 = cpu_s(pid), time.monotonic()
+        n = await saturated(pool, bodies, args.concurrency, args.duration)
+        wall = time.monotonic() - t0
+        out["sat_cpu_ms"] = (cpu_s(pid) - c0) * 1e3 / n
+        out["sat_rps"] = n / wall
+        out["sat_server_util"] = (cpu_s(pid) - c0) / wall
     finally:
+        pool.close()
         server.stop()
     return out
 
@@ -171,8 +215,9 @@ async def profile(name: str, args: argparse.Namespace, bodies: list[bytes]) -> d
         server = Server(script, flags, profile=path)
         async with aiohttp.ClientSession() as session:
             await server.ready(session)
-            n = await bursty(session, server.url + "/prefill", bodies, args.burst,
-                             args.interval_ms / 1e3, args.duration)  # fmt: skip
+        pool = Pool(server.port)
+        n = await bursty(pool, bodies, args.burst, args.interval_ms / 1e3, args.duration)
+        pool.close()
         server.stop()
         by_group: dict[str, float] = defaultdict(float)
         for (file, _, func), row in pstats.Stats(path).stats.items():  # type: ignore[attr-defined]
@@ -219,7 +264,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = defaultdict(list)
     for r in range(args.rounds):
         for name in names:
-            runs[name].append(asyncio.run(measure(name, args, bodies)))
+            runs[name].append(uvloop.run(measure(name, args, bodies)))
             print(f"  round {r + 1}: {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
     width = max(map(len, names))
     print(f"\n{'front':<{width}}  bursty CPU ms/req  saturated req/s  CPU ms/req  server CPU")
@@ -230,7 +275,7 @@ def main() -> None:
     if args.profile:
         print("\nwhere the server's event-loop thread spends its time (cProfile tottime, bursty):")
         for name in names:
-            shares = asyncio.run(profile(name, args, bodies))
+            shares = uvloop.run(profile(name, args, bodies))
             us = shares.pop("_us_per_req")
             top = ", ".join(f"{g} {100 * s:.0f}%" for g, s in
                             sorted(shares.items(), key=lambda kv: -kv[1]) if s >= 0.02)  # fmt: skip
