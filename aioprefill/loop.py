@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
 import logging
 import time
@@ -25,15 +24,19 @@ from collections import deque
 from typing import Any
 
 from aioprefill import protocol
+from aioprefill.affinity import LoopAffinity
 from aioprefill.config import EngineConfig
+from aioprefill.controls import SERVING, EngineControls, State
 from aioprefill.errors import (
     AioprefillError,
+    DeadlineExceeded,
     EngineClosed,
     EngineOverloaded,
     ForwardFailed,
     ProtocolError,
     WorkerCrashed,
     WorkerStartFailed,
+    tagged,
 )
 from aioprefill.policy import (
     Budget,
@@ -48,7 +51,7 @@ from aioprefill.protocol import FLAG_FIRST_CHUNK, FLAG_LAST_CHUNK, BatchFailed, 
 from aioprefill.result import PrefillResult
 from aioprefill.shm.segments import cleanup_stale_segments
 from aioprefill.stats import EngineStats, StatsRecorder
-from aioprefill.validate import validate_prompt
+from aioprefill.validate import validate_controls, validate_prompt
 from aioprefill.workers.process import WorkerHandle, set_once
 from aioprefill.workers.slot import InFlightBatch, WorkerSlot
 
@@ -57,15 +60,7 @@ __all__ = ["Engine"]
 log = logging.getLogger("aioprefill")
 
 
-class _State(enum.Enum):
-    NEW = "new"
-    STARTING = "starting"
-    RUNNING = "running"
-    CLOSING = "closing"
-    CLOSED = "closed"
-
-
-class Engine:
+class Engine(EngineControls):
     """A prefill node: `async with Engine(config) as engine: await engine.prefill(tokens)`."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
@@ -80,8 +75,9 @@ class Engine:
             chunked=config.enable_chunked_prefill,
         )
         self._vocab_size = config.model.vocab_size
-        self._state = _State.NEW
+        self._state = State.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._affinity = LoopAffinity()  # the loop (and thread) that starts it owns it
         self._workers = [WorkerSlot(i) for i in range(config.num_workers)]
         self._pending: deque[Request] = deque()
         # Policy "forward": the next batch, kept ready while every worker is busy.
@@ -111,10 +107,10 @@ class Engine:
 
     async def start(self) -> None:
         """Start every worker and wait until each reports ready."""
-        if self._state is not _State.NEW:
+        if self._state is not State.NEW:
             raise EngineClosed(f"engine cannot start: it is {self._state.value}")
-        self._state = _State.STARTING
-        self._loop = asyncio.get_running_loop()
+        self._state = State.STARTING
+        self._loop = self._affinity.bind()
         cleanup_stale_segments()
         starts = [asyncio.ensure_future(self._start_worker(w)) for w in self._workers]
         try:
@@ -122,12 +118,12 @@ class Engine:
         except BaseException:
             # gather() leaves the other starts running: stop them (and any restart of a worker
             # that died meanwhile) before their processes and channels are torn down.
-            self._state = _State.CLOSED
+            self._state = State.CLOSED
             await self._cancel_and_wait([*starts, *self._restart_tasks])
             for w in self._workers:
                 w.discard(self._loop, kill=True)
             raise
-        self._state = _State.RUNNING
+        self._state = State.RUNNING
 
     @staticmethod
     async def _cancel_and_wait(tasks: list[asyncio.Future[None]]) -> None:
@@ -154,13 +150,13 @@ class Engine:
         With `drain`, accepted requests get up to `shutdown_timeout_s` to finish; whatever is
         left then fails with `EngineClosed`. Leaves no worker process and no shared memory.
         """
-        if self._state in (_State.CLOSING, _State.CLOSED):
+        self._affinity.check("close()")
+        if self._state in (State.CLOSING, State.CLOSED):
             return
-        self._state = _State.CLOSING
-        if drain and self._num_in_flight and self._broken is None:
-            self._idle_waiter = asyncio.get_running_loop().create_future()
+        self._state = State.CLOSING
+        if drain and self._broken is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle_waiter, self.config.shutdown_timeout_s)
+                await asyncio.wait_for(self._idle(), self.config.shutdown_timeout_s)
         self._fail_everything(EngineClosed("engine closed before this request finished"))
         await self._cancel_and_wait(list(self._restart_tasks))
         for w in self._workers:
@@ -172,7 +168,7 @@ class Engine:
         await self._reap_workers(timeout=5.0)
         if self._timeout_timer is not None:
             self._timeout_timer.cancel()
-        self._state = _State.CLOSED
+        self._state = State.CLOSED
 
     async def _reap_workers(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -195,15 +191,26 @@ class Engine:
 
     # ---- public API ----------------------------------------------------------------------
 
-    async def prefill(self, tokens: Any, *, wait: bool = False) -> PrefillResult:
+    async def prefill(
+        self,
+        tokens: Any,
+        *,
+        wait: bool = False,
+        deadline_s: float | None = None,
+        request_id: str | int | None = None,
+    ) -> PrefillResult:
         """Run the prefill of one prompt; return its greedy next token and timings.
 
         Raises `InvalidRequest` for a bad prompt and, past `max_pending` waiting requests,
-        `EngineOverloaded` — or, with `wait=True`, waits for room instead.
+        `EngineOverloaded` — or, with `wait=True`, waits for room instead. A request not handed
+        to a worker within `deadline_s` fails with `DeadlineExceeded` and never runs;
+        `request_id` (the caller's) names the request in its errors and in log lines.
         """
         submitted_ns = time.monotonic_ns()  # TTFT counts any wait for room below
+        self._affinity.check("prefill()")
         self._check_open()
         prompt = validate_prompt(tokens, self._vocab_size, self.config.max_prompt_tokens or 0)
+        validate_controls(deadline_s, request_id)
         if self._num_pending >= self.config.max_pending:
             if not wait:
                 self._stats.rejected += 1
@@ -219,6 +226,7 @@ class Engine:
             tokens=prompt,
             submitted_ns=submitted_ns,
             handle=future,
+            tag=request_id,
         )
         if not (
             self._use_staging and not self._pending and self._staged.try_add(req, self._budget)
@@ -228,6 +236,9 @@ class Engine:
         self._pending_tokens += req.num_tokens
         self._num_in_flight += 1
         self._stats.submitted += 1
+        if deadline_s is not None:  # armed before dispatch: deadline 0 still lets an idle worker
+            timer = self._arm_deadline(req, deadline_s)
+            future.add_done_callback(lambda _: timer.cancel())
         self._schedule()
         try:
             return await future
@@ -243,16 +254,12 @@ class Engine:
         """Counters and recent distributions (batch size/tokens, queue time, bubble)."""
         return self._stats.snapshot(pending=self._num_pending, in_flight=self._num_in_flight)
 
-    @property
-    def is_running(self) -> bool:
-        return self._state is _State.RUNNING
-
     # ---- admission -------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._state is not _State.RUNNING:
+        if self._state is not State.RUNNING:
             hint = (
-                " (use `async with Engine(config) as engine`)" if self._state is _State.NEW else ""
+                " (use `async with Engine(config) as engine`)" if self._state is State.NEW else ""
             )
             raise EngineClosed(f"engine is {self._state.value}{hint}")
         if self._broken is not None:
@@ -273,6 +280,31 @@ class Engine:
             if not waiter.done():
                 waiter.set_result(None)
                 room -= 1
+
+    def _arm_deadline(self, req: Request, deadline_s: float) -> asyncio.TimerHandle:
+        """Fail `req` with `DeadlineExceeded` if no worker got it within `deadline_s` of its
+        submission (like TTFT, counting any wait for room)."""
+
+        def expire() -> None:  # a closure: debug-mode asyncio reprs a cancelled timer's args
+            if req.next_pos or req.cancelled or req.handle.done():
+                return  # (its first chunk was) dispatched: it runs; or it already ended
+            req.cancelled = True  # leaves the queue (or the staged batch) before any send
+            self._num_in_flight -= 1
+            self._num_pending -= 1
+            self._pending_tokens -= req.remaining
+            self._staged.note_cancelled()
+            error = DeadlineExceeded(
+                f"not dispatched within deadline_s={deadline_s:g}: it never ran"
+            )
+            log.info("request %r: %s", req.tag if req.tag is not None else req.request_id, error)
+            req.handle.set_exception(tagged(error, req.tag))
+            self._stats.failed += 1
+            self._wake_room_waiters()
+            self._maybe_idle()
+
+        assert self._loop is not None
+        delay = deadline_s - (time.monotonic_ns() - req.submitted_ns) / 1e9
+        return self._loop.call_later(delay, expire)
 
     def _cancel(self, req: Request) -> None:
         """The caller went away: drop the request wherever it is."""
@@ -413,7 +445,7 @@ class Engine:
 
     def _on_timeout_timer(self) -> None:
         self._timeout_timer = None
-        if self._state not in (_State.RUNNING, _State.CLOSING):
+        if self._state not in SERVING:
             return
         self._seal_timeout_batch()
         self._schedule_timeout()
@@ -515,7 +547,7 @@ class Engine:
             and self._num_pending
             and self.config.policy == "forward"
             and w.ready
-            and self._state in (_State.RUNNING, _State.CLOSING)
+            and self._state in SERVING
             and handle is not None
             and handle.outbox is not None
         ):
@@ -582,7 +614,7 @@ class Engine:
                 if c.request.cancelled:
                     w.free_ids.append(c.request.request_id)
         # Next batch first: every microsecond spent here before the ring write is bubble.
-        if self._state in (_State.RUNNING, _State.CLOSING) and self._num_pending:
+        if self._state in SERVING and self._num_pending:
             if self.config.policy == "forward":
                 if not w.in_flight and w.ready:  # not a dead worker's last words
                     self._dispatch(w, backlogged=True)
@@ -657,7 +689,9 @@ class Engine:
             req.cancelled = True
             future = req.handle
             if not future.done():
-                future.set_exception(error)
+                if req.tag is not None:
+                    log.warning("request %r failed: %s: %s", req.tag, type(error).__name__, error)
+                future.set_exception(tagged(error, req.tag))
                 self._stats.failed += 1
                 self._num_in_flight -= 1
 
@@ -695,7 +729,7 @@ class Engine:
         w.free_ids = []
         self._recover_requests(w, lost, f"worker {w.index} died (exit code {code})")
         # A worker that dies while the others still start is restarted too (once running).
-        if self._state in (_State.STARTING, _State.RUNNING):
+        if self._state in (State.STARTING, State.RUNNING, State.DRAINING):
             self._restart_later(w)
         self._schedule()
         self._maybe_idle()
@@ -726,7 +760,8 @@ class Engine:
     ) -> None:
         if req.cancelled or req.handle.done():
             return
-        if req.attempts >= self.config.max_retries or self._state is not _State.RUNNING:
+        may_retry = self._state in (State.RUNNING, State.DRAINING)
+        if req.attempts >= self.config.max_retries or not may_retry:
             self._fail_requests(
                 [req],
                 WorkerCrashed(
@@ -771,7 +806,7 @@ class Engine:
 
     async def _restart(self, w: WorkerSlot, delay: float) -> None:
         await asyncio.sleep(delay)  # backoff between restarts, off the hot path
-        if self._state not in (_State.STARTING, _State.RUNNING):
+        if self._state not in (State.STARTING, State.RUNNING, State.DRAINING):
             return
         try:
             await self._start_worker(w)
