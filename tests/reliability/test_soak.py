@@ -91,7 +91,7 @@ async def test_soak_8k_in_process_with_random_cancellations():
         assert stats.failed == 0 and stats.pending == 0 and stats.in_flight == 0
         assert stats.submitted == stats.completed + stats.cancelled
         assert stats.completed >= outcomes["answered"]
-        assert not engine._pending and not any(w.in_flight for w in engine._workers)
+        assert not engine._sched.pending and not any(engine._pool.in_flight_batches())
 
 
 @pytest.mark.slow
@@ -110,3 +110,10 @@ def test_soak_200k_requests_flat_memory():
     assert report["answered"] + report["cancelled"] == 200_000
     assert report["rss_growth_mb"] <= 32
     assert report["ok"] and proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_invariant_checks_are_on_here():
+    """The soak and fault tests run with `Scheduler.checking` (tests/reliability/conftest.py)."""
+    from aioprefill.scheduler import Scheduler
+
+    assert Scheduler.checking
