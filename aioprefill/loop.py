@@ -1,10 +1,10 @@
 """`Engine`: forward-aware prefill batching on one asyncio event loop.
 
-The engine is a thin facade over four parts (docs/architecture.md): the `Scheduler` (the queue,
-the staged batch, the request counters), a `DispatchPolicy` (when a group gets a batch), the
-`WorkerPool` (processes, rings, fds, timers) and `recovery` (retry or fail after a death).
-It owns the lifecycle, admission and the callers' futures. All of it lives on the event loop
-that entered the engine: no threads, no locks, no polling. It reacts to:
+A thin facade (lifecycle, admission, wiring) over the `Scheduler` (queue, staged batch,
+counters), a `DispatchPolicy` (when a group gets a batch), the `WorkerPool` (processes, rings,
+fds, timers), `Outcomes` (callers' futures) and `Recovery` (after a death); see
+docs/architecture.md. All of it lives on the engine's event loop: no threads, no locks, no
+polling. It reacts to:
 
 - a caller's `prefill()` (the request joins the queue; an idle group may get it at once),
 - a group's forward-done eventfd (with policy ``forward`` the group is handed its next batch
@@ -24,18 +24,11 @@ from typing import Any
 
 from aioprefill.batching import Budget, Request
 from aioprefill.config import EngineConfig
-from aioprefill.errors import (
-    AioprefillError,
-    EngineClosed,
-    EngineOverloaded,
-    ForwardFailed,
-    ProtocolError,
-    WorkerCrashed,
-    WorkerStartFailed,
-)
+from aioprefill.errors import AioprefillError, EngineClosed, EngineOverloaded, WorkerStartFailed
+from aioprefill.outcomes import Outcomes
 from aioprefill.policies import policy_class
 from aioprefill.protocol import BatchFailed, BatchResult
-from aioprefill.recovery import plan_recovery
+from aioprefill.recovery import Recovery
 from aioprefill.result import PrefillResult
 from aioprefill.scheduler import Scheduler
 from aioprefill.shm.segments import cleanup_stale_segments
@@ -77,6 +70,8 @@ class Engine:
         self._timer: asyncio.TimerHandle | None = None
         policy = policy_class(config.policy)  # chosen once: no event branches on its name
         self._sched = Scheduler(budget, staging=policy.staging)
+        self._outcomes = Outcomes(self._sched, self._pool, self._stats)
+        self._recovery = Recovery(self._sched, self._outcomes, config.max_retries)
         self._policy = policy(
             self._sched, self._pool, self, batch_timeout_ms=config.batch_timeout_ms
         )
@@ -214,18 +209,8 @@ class Engine:
 
     def _cancel(self, req: Request) -> None:
         """The caller went away: drop the request wherever it is."""
-        self._note_cancelled(req)
+        self._outcomes.cancelled(req)
         self._after_event()
-
-    def _note_cancelled(self, req: Request) -> None:
-        if req.cancelled or (req.handle.done() and not req.handle.cancelled()):
-            # Dropped already, or answered (or failed) and counted already: the caller's task
-            # was cancelled between that and its wake-up (e.g. a wait_for timeout).
-            return
-        self._stats.cancelled += 1
-        group = self._sched.cancel(req)
-        if group >= 0:  # its KV cache waits there between two chunks: drop it
-            self._pool.free_later(group, [req.request_id])
 
     # ---- the policy's timer (`Timer`) -----------------------------------------------------
 
@@ -269,110 +254,23 @@ class Engine:
     def on_batch_done(
         self, slot: WorkerSlot, batch: InFlightBatch, msg: BatchResult | BatchFailed
     ) -> None:
-        free: list[int] = []
-        self._sched.release(batch.chunks, free)
-        if free:
-            self._pool.free_later(slot.index, free)
+        free = self._sched.release(batch.chunks)
+        if free >= 0:  # a cancelled prompt's chunk: drop its KV cache with the next batch
+            self._pool.free_later(slot.index, [free])
         # Next batch first: every microsecond spent here before the ring write is bubble.
         if self._sched.num_pending and self._state in _SERVING:
             self._policy.on_forward_done(slot.index)
         if isinstance(msg, BatchFailed):
-            self._fail_batch(slot, batch, msg)
+            self._outcomes.fail_batch(slot.index, batch, msg)
         else:
-            self._resolve_batch(slot, batch, msg)
-
-    def _fail_batch(self, slot: WorkerSlot, batch: InFlightBatch, msg: BatchFailed) -> None:
-        error = ForwardFailed(
-            f"worker {slot.index} failed batch {batch.batch_id}: {msg.message}",
-            worker=slot.index,
-            error_type=msg.error_type,
-        )
-        # The worker already dropped the state of every request in the batch.
-        self._fail_requests([c.request for c in batch.chunks], error)
-
-    def _resolve_batch(self, slot: WorkerSlot, batch: InFlightBatch, msg: BatchResult) -> None:
-        try:
-            ids, tokens, logprobs = msg.arrays()
-        except ProtocolError as exc:
-            self._stats.protocol_errors += 1
-            self._fail_requests([c.request for c in batch.chunks if c.is_last], exc)
-            return
-        finished_ns = time.monotonic_ns()
-        stats = self._stats
-        k = answered = 0
-        size = len(batch.chunks)
-        for c in batch.chunks:
-            req = c.request
-            if c.end != req.num_tokens:  # not its last chunk: no answer yet
-                continue
-            if k >= len(ids) or int(ids[k]) != req.request_id:
-                # The worker's answer does not line up with what we sent: never guess.
-                stats.protocol_errors += 1
-                self._fail_requests([req], ProtocolError("worker result does not match its batch"))
-                k += 1
-                continue
-            future = req.handle
-            if not future.done():
-                stats.queue_us.add((msg.forward_start_ns - req.submitted_ns) / 1e3)
-                future.set_result(
-                    PrefillResult(
-                        request_id=req.request_id,
-                        token=int(tokens[k]),
-                        logprob=float(logprobs[k]),
-                        worker=slot.index,
-                        batch_id=batch.batch_id,
-                        batch_size=size,
-                        batch_tokens=batch.num_tokens,
-                        num_tokens=req.num_tokens,
-                        num_chunks=req.num_chunks,
-                        submitted_ns=req.submitted_ns,
-                        dispatched_ns=batch.dispatched_ns,
-                        forward_start_ns=msg.forward_start_ns,
-                        forward_end_ns=msg.forward_end_ns,
-                        finished_ns=finished_ns,
-                    )
-                )
-                answered += 1
-            elif future.cancelled():  # its caller left in this very loop iteration
-                self._note_cancelled(req)
-            k += 1
-        stats.completed += answered
-        self._sched.finish(answered)
-        if k != len(ids):
-            stats.protocol_errors += 1
-
-    def _fail_requests(self, requests: list[Request], error: BaseException) -> None:
-        failed = 0
-        for req in requests:
-            if req.handle.cancelled():  # its caller left in this very loop iteration
-                self._note_cancelled(req)
-                continue
-            self._sched.drop(req)
-            if not req.handle.done():
-                req.handle.set_exception(error)
-                failed += 1
-        self._stats.failed += failed
-        self._sched.finish(failed)
+            self._outcomes.resolve(slot.index, batch, msg)
 
     def on_death(self, slot: WorkerSlot, lost: deque[InFlightBatch], why: str) -> None:
         """Retry (up to max_retries) or fail what the dead group held."""
-        sched = self._sched
-        retry, fail = plan_recovery(
-            lost,
-            sched.pinned_to(slot.index),  # queued between chunks: their KV cache died too
-            max_retries=self.config.max_retries,
-            may_retry=self._state is _State.RUNNING,
+        may_retry = self._state is _State.RUNNING
+        self._stats.retried += self._recovery.after_death(
+            slot.index, lost, why, may_retry=may_retry
         )
-        for req in fail:
-            self._fail_requests(
-                [req],
-                WorkerCrashed(
-                    f"{why} while running this request; {req.attempts} retries used "
-                    f"(max_retries={self.config.max_retries})"
-                ),
-            )
-        self._stats.retried += len(retry)
-        sched.requeue_first([req for req in retry if sched.retry(req)])
         if self._state in _SERVING:
             self._policy.on_capacity()
         self._after_event()
@@ -397,7 +295,7 @@ class Engine:
         requests = self._sched.drain()
         for batch in self._pool.in_flight_batches():
             requests.extend(c.request for c in batch.chunks)
-        self._fail_requests(requests, error)
+        self._outcomes.fail(requests, error)
         for waiter in self._room_waiters:
             if not waiter.done():
                 waiter.set_result(None)

@@ -1,7 +1,8 @@
 """What happens after a worker group dies: which requests are retried, and when it restarts.
 
-Pure decisions over plain data; the engine applies them (the `Scheduler` requeues, the engine
-fails callers, the `WorkerPool` restarts the group after the backoff).
+`plan_recovery` and `RestartBackoff` decide on plain data; `Recovery.after_death` applies the
+plan through the `Scheduler` (requeue) and `Outcomes` (fail callers); the `WorkerPool` restarts
+the group after the backoff.
 
 - A request the dead group held (in a batch in its ring, or queued between two chunks whose
   KV cache lived there) is retried from its first token, up to `max_retries` times per
@@ -15,11 +16,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from aioprefill.batching import Request
-from aioprefill.scheduler import InFlight
+from aioprefill.errors import WorkerCrashed
+from aioprefill.scheduler import InFlight, Scheduler
 
-__all__ = ["RestartBackoff", "plan_recovery"]
+if TYPE_CHECKING:
+    from aioprefill.outcomes import Outcomes
+
+__all__ = ["Recovery", "RestartBackoff", "plan_recovery"]
 
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 5.0
@@ -45,6 +51,35 @@ def plan_recovery(
         seen.add(req.request_id)
         (retry if may_retry and req.attempts < max_retries else fail).append(req)
     return retry, fail
+
+
+class Recovery:
+    """Applies `plan_recovery` after a group's death."""
+
+    def __init__(self, sched: Scheduler, outcomes: Outcomes, max_retries: int) -> None:
+        self._sched = sched
+        self._outcomes = outcomes
+        self.max_retries = max_retries
+
+    def after_death(
+        self, group: int, lost: Iterable[InFlight], why: str, *, may_retry: bool
+    ) -> int:
+        """Requeue what may be retried (oldest first), fail the rest; return how many retry."""
+        sched = self._sched
+        retry, fail = plan_recovery(
+            lost,
+            sched.pinned_to(group),  # queued between chunks: their KV cache died too
+            max_retries=self.max_retries,
+            may_retry=may_retry,
+        )
+        for req in fail:
+            error = WorkerCrashed(
+                f"{why} while running this request; {req.attempts} retries used "
+                f"(max_retries={self.max_retries})"
+            )
+            self._outcomes.fail([req], error)
+        sched.requeue_first([req for req in retry if sched.retry(req)])
+        return len(retry)
 
 
 class RestartBackoff:

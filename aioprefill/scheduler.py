@@ -197,17 +197,21 @@ class Scheduler:
 
     # ---- answers and deaths ---------------------------------------------------------------
 
-    def release(self, chunks: list[Chunk], free_ids: list[int] | None = None) -> None:
-        """A batch's forward ended: its continuation chunks' requests may send their next.
+    def release(self, chunks: list[Chunk]) -> int:
+        """A batch's forward ended: a prompt it carried a middle chunk of may send its next.
 
-        Appends to `free_ids` the cancelled ones, whose KV cache the group must drop.
+        O(1): only a batch's last chunk can be a non-final one (`take_batch` appends the long
+        prompt's chunk last; eager batches hold one chunk). Returns the id of a cancelled
+        prompt whose KV cache the group must now drop, else -1.
         """
-        for c in chunks:
+        if chunks:
+            c = chunks[-1]
             req = c.request
             if c.end != req.num_tokens and c.end == req.next_pos:  # its latest chunk
                 req.chunk_in_flight = False
-                if free_ids is not None and req.cancelled:
-                    free_ids.append(req.request_id)
+                if req.cancelled:
+                    return req.request_id
+        return -1
 
     def pinned_to(self, group: int) -> list[Request]:
         """Queued requests whose KV cache lives on `group` (between two chunks)."""
@@ -260,12 +264,18 @@ class Scheduler:
                 well_formed = False
         queued = len(ids)
         for batch in in_flight:
-            for c in batch.chunks:
+            chunks = batch.chunks
+            if len(chunks) > 1 and any(c.end != c.request.num_tokens for c in chunks[:-1]):
+                well_formed = False  # a middle chunk must ride last: `release` relies on it
+            for c in chunks:
                 r = c.request
-                if not r.cancelled and r.request_id not in ids and not _answered(r):
-                    ids.add(r.request_id)
                 if c.end > r.next_pos:
                     well_formed = False
+                if r.cancelled or r.request_id in ids:
+                    continue
+                h = r.handle  # live unless the engine resolved it (a cancel is the caller's)
+                if h is None or not h.done() or h.cancelled():
+                    ids.add(r.request_id)
         if (
             not well_formed
             or self.num_pending != queued
@@ -279,9 +289,3 @@ class Scheduler:
                 f"{self.num_in_flight} ({len(ids)}), well formed: {well_formed}; queue: "
                 f"{list(itertools.chain(self.staged.requests, self.pending))!r:.2000}"
             )
-
-
-def _answered(req: Request) -> bool:
-    """The engine resolved its future (a cancelled one is the caller's doing, not ours)."""
-    handle = req.handle
-    return handle is not None and handle.done() and not handle.cancelled()

@@ -1,16 +1,11 @@
 """`WorkerPool`: the worker groups, their processes, fds, rings and forward timers.
 
-The pool is the only writer of `WorkerSlot`. It starts each group's processes and waits for
-them to be ready, watches their forward-done eventfds and process sentinels on the event loop,
-writes batches into their rings (`send`, encoding each batch once), matches every answer to the
-batch at the head of that group's ring, arms the `forward_timeout_s` timers, and restarts a dead
-group after the backoff `recovery.RestartBackoff` gives. What a death means for the requests
-is the engine's business: the pool reports events through `PoolEvents` and decides nothing
-about requests.
-
-A pool position is a *group* of ranks (`WorkerSlot.ranks`, one process today). Everything
-above the pool sees one worker per group; `docs/architecture.md` lists what tensor-parallel
-groups add here and only here.
+The only writer of `WorkerSlot`. It starts each group and waits for it to be ready, watches its
+forward-done eventfd and process sentinel, writes batches into its ring (`send`, one encode per
+batch), matches each answer to the batch at the head of the ring, arms the forward timers, and
+restarts a dead group after its `RestartBackoff`. It decides nothing about requests: it reports
+to the engine through `PoolEvents`. A pool position is a *group* of ranks (`WorkerSlot.ranks`,
+one process today); docs/architecture.md lists what tensor-parallel groups add, all of it here.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Protocol
 
 from aioprefill import protocol
 from aioprefill.batching import Columns
@@ -31,33 +25,12 @@ from aioprefill.errors import ProtocolError
 from aioprefill.protocol import BatchFailed, BatchResult
 from aioprefill.recovery import RestartBackoff
 from aioprefill.stats import StatsRecorder
-from aioprefill.workers.process import WorkerHandle, set_once
-from aioprefill.workers.slot import InFlightBatch, WorkerSlot
+from aioprefill.workers.process import WorkerHandle
+from aioprefill.workers.slot import InFlightBatch, PoolEvents, WorkerSlot
 
-__all__ = ["PoolEvents", "WorkerPool"]
+__all__ = ["WorkerPool"]
 
 log = logging.getLogger("aioprefill")
-
-
-class PoolEvents(Protocol):
-    """What the pool reports to the engine (all called on the event loop)."""
-
-    def on_forward_done(self, slot: WorkerSlot) -> None:
-        """The group's forward-done eventfd fired (call `read_answers` to act on it)."""
-
-    def on_batch_done(
-        self, slot: WorkerSlot, batch: InFlightBatch, msg: BatchResult | BatchFailed
-    ) -> None:
-        """The group answered the batch at the head of its ring (already removed from it)."""
-
-    def on_death(self, slot: WorkerSlot, lost: deque[InFlightBatch], why: str) -> None:
-        """The group died; `lost` were in flight on it. Its restart is scheduled after this."""
-
-    def on_restarted(self, slot: WorkerSlot) -> None:
-        """A dead group is ready again."""
-
-    def on_gave_up(self, slot: WorkerSlot) -> None:
-        """The group died too often and stays down."""
 
 
 async def _cancel_and_wait(tasks: list[asyncio.Future[None]]) -> None:
@@ -171,20 +144,10 @@ class WorkerPool:
                     if handle.inbox is not None:
                         with contextlib.suppress(Exception):
                             handle.inbox.send_nowait(protocol.encode(protocol.Shutdown()))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = time.monotonic() + timeout
         for slot in self.slots:
             for handle in slot.ranks:
-                if handle.process is None or not handle.is_alive():
-                    continue
-                exited: asyncio.Future[None] = loop.create_future()
-                loop.add_reader(handle.sentinel, set_once, exited)
-                try:
-                    await asyncio.wait_for(exited, max(0.0, deadline - loop.time()))
-                except TimeoutError:
-                    handle.kill()
-                finally:
-                    loop.remove_reader(handle.sentinel)
+                await handle.wait_exit(deadline - time.monotonic())
             self._discard(slot, kill=True)
 
     # ---- sending --------------------------------------------------------------------------
@@ -236,8 +199,7 @@ class WorkerPool:
         ranks = slot.ranks
         if not ranks or ranks[0].outbox is None:
             return
-        handle = ranks[0]
-        outbox = ranks[0].outbox
+        handle, outbox = ranks[0], ranks[0].outbox
         outbox.wait_blocking(0)  # consume the eventfd count
         while slot.ranks is ranks:
             try:
@@ -295,11 +257,8 @@ class WorkerPool:
     def _on_forward_timeout(self, slot: WorkerSlot) -> None:
         slot.timer = None
         if slot.ranks:
-            log.error(
-                "worker %d: forward exceeded %.1f s; killing it",
-                slot.index,
-                self.config.forward_timeout_s,
-            )
+            timeout = self.config.forward_timeout_s
+            log.error("worker %d: forward exceeded %.1f s; killing it", slot.index, timeout)
             for handle in slot.ranks:
                 handle.kill()  # its sentinel fires next: handled as a death
 
@@ -330,11 +289,9 @@ class WorkerPool:
     def _restart_later(self, slot: WorkerSlot) -> None:
         delay = slot.backoff.note_death(time.monotonic())
         if delay is None:
+            deaths, window = len(slot.backoff.deaths), self.config.restart_window_s
             log.error(
-                "worker %d died %d times in %.0f s: not restarting it",
-                slot.index,
-                len(slot.backoff.deaths),
-                self.config.restart_window_s,
+                "worker %d died %d times in %.0f s: not restarting", slot.index, deaths, window
             )
             self._events.on_gave_up(slot)
             return
@@ -349,9 +306,7 @@ class WorkerPool:
         try:
             await self._start_slot(slot)
         except Exception as exc:  # any failure (no fork, no shm, bad Ready) counts as a death
-            log.error(
-                "worker %d could not be restarted: %s: %s", slot.index, type(exc).__name__, exc
-            )
+            log.error("worker %d could not be restarted: %r", slot.index, exc)
             self._restart_later(slot)
             return
         self._events.on_restarted(slot)

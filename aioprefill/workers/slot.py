@@ -4,7 +4,8 @@ A slot outlives the processes that fill it: when its group dies, the engine reco
 batches in flight on it and the pool starts new processes in the same slot. A slot is a
 *group of ranks* (one rank today; tensor-parallel ranks later): one batch goes to every rank,
 and it is done when every rank answered it. Only the `WorkerPool` writes a slot's fields;
-like all engine state it is touched only from the event loop's thread.
+like all engine state it is touched only from the event loop's thread. `PoolEvents` is what
+the pool reports to its owner, the engine.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from aioprefill.batching import Chunk
+from aioprefill.protocol import BatchFailed, BatchResult
 from aioprefill.recovery import RestartBackoff
 from aioprefill.workers.process import WorkerHandle
 
-__all__ = ["InFlightBatch", "WorkerSlot"]
+__all__ = ["InFlightBatch", "PoolEvents", "WorkerSlot"]
 
 
 @dataclass(slots=True, eq=False)
@@ -54,3 +57,24 @@ class WorkerSlot:
         # Short on purpose: asyncio debug mode reprs the args of every timer it cancels, and
         # the generated repr walks every in-flight batch (quadratic in the backlog).
         return f"<worker group {self.index} ready={self.ready} in_flight={len(self.in_flight)}>"
+
+
+class PoolEvents(Protocol):
+    """What the pool reports to the engine (all called on the event loop)."""
+
+    def on_forward_done(self, slot: WorkerSlot) -> None:
+        """The group's forward-done eventfd fired (call `read_answers` to act on it)."""
+
+    def on_batch_done(
+        self, slot: WorkerSlot, batch: InFlightBatch, msg: BatchResult | BatchFailed
+    ) -> None:
+        """The group answered the batch at the head of its ring (already removed from it)."""
+
+    def on_death(self, slot: WorkerSlot, lost: deque[InFlightBatch], why: str) -> None:
+        """The group died; `lost` were in flight on it. Its restart is scheduled after this."""
+
+    def on_restarted(self, slot: WorkerSlot) -> None:
+        """A dead group is ready again."""
+
+    def on_gave_up(self, slot: WorkerSlot) -> None:
+        """The group died too often and stays down."""

@@ -119,9 +119,9 @@ class Harness:
             self.policy.on_answer_waiting(group)
         batch = g.in_flight.popleft()
         g.ring_full = False
-        free: list[int] = []
-        self.sched.release(batch.chunks, free)
-        g.freed += free
+        free = self.sched.release(batch.chunks)
+        if free >= 0:
+            g.freed.append(free)
         if self.sched.num_pending:
             self.policy.on_forward_done(group)
         finished = [c.request for c in batch.chunks if c.is_last and not c.request.cancelled]

@@ -1,8 +1,9 @@
 """Every soak and fault test checks the scheduler's invariants after every engine event.
 
 In this process through `Scheduler.checking`; in engine subprocesses the tests start, through
-the environment variable it reads at import. (Not in the 200k-request soak: it measures
-memory over a long run, and a full recount per event would make it quadratic.)
+the environment variable it reads at import. Not in tests marked `slow` (the 200k-request
+soak measures memory over a long run) or `unchecked`: with thousands of requests in flight a
+full recount per event makes them quadratic.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from aioprefill.scheduler import Scheduler
 
 @pytest.fixture(autouse=True)
 def _check_scheduler_invariants(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    if request.node.get_closest_marker("slow") is None:
+    node = request.node
+    if node.get_closest_marker("slow") is None and node.get_closest_marker("unchecked") is None:
         monkeypatch.setattr(Scheduler, "checking", True)
         monkeypatch.setenv("AIOPREFILL_CHECK_INVARIANTS", "1")
     yield
