@@ -19,6 +19,7 @@ from aioprefill.errors import (
     WorkerStartFailed,
     WrongLoop,
 )
+from aioprefill.health import EngineHealth
 from aioprefill.loop import Engine
 from aioprefill.result import PrefillResult
 from aioprefill.stats import EngineStats
@@ -29,6 +30,7 @@ __all__ = [
     "Engine",
     "EngineClosed",
     "EngineConfig",
+    "EngineHealth",
     "EngineOverloaded",
     "EngineStats",
     "ForwardFailed",

@@ -50,6 +50,7 @@ class Request:
     cancelled: bool = False  # cancelled by its caller, or failed: dropped wherever it is
     num_chunks: int = 0
     attempts: int = 0
+    tag: str | int | None = None  # the caller's request_id: in its errors and the logs
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
 from collections import deque
 from typing import Any
 
+from aioprefill.affinity import LoopAffinity
 from aioprefill.batching import Budget, Request
 from aioprefill.config import EngineConfig
+from aioprefill.controls import SERVING, EngineControls, State
 from aioprefill.errors import AioprefillError, EngineClosed, EngineOverloaded, WorkerStartFailed
 from aioprefill.outcomes import Outcomes
 from aioprefill.policies import policy_class
@@ -33,25 +34,14 @@ from aioprefill.result import PrefillResult
 from aioprefill.scheduler import Scheduler
 from aioprefill.shm.segments import cleanup_stale_segments
 from aioprefill.stats import EngineStats, StatsRecorder
-from aioprefill.validate import validate_prompt
+from aioprefill.validate import validate_controls, validate_prompt
 from aioprefill.workers.pool import WorkerPool
 from aioprefill.workers.slot import InFlightBatch, WorkerSlot
 
 __all__ = ["Engine"]
 
 
-class _State(enum.Enum):
-    NEW = "new"
-    STARTING = "starting"
-    RUNNING = "running"
-    CLOSING = "closing"
-    CLOSED = "closed"
-
-
-_SERVING = (_State.RUNNING, _State.CLOSING)
-
-
-class Engine:
+class Engine(EngineControls):
     """A prefill node: `async with Engine(config) as engine: await engine.prefill(tokens)`."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
@@ -63,8 +53,9 @@ class Engine:
         budget = Budget(
             config.max_batch_tokens, config.max_batch_size, config.enable_chunked_prefill
         )
-        self._state = _State.NEW
+        self._state = State.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._affinity = LoopAffinity()  # the loop (and thread) that starts it owns it
         self._stats = StatsRecorder()
         self._pool = WorkerPool(config, self._stats, self)
         self._timer: asyncio.TimerHandle | None = None
@@ -91,17 +82,17 @@ class Engine:
 
     async def start(self) -> None:
         """Start every worker and wait until each reports ready."""
-        if self._state is not _State.NEW:
+        if self._state is not State.NEW:
             raise EngineClosed(f"engine cannot start: it is {self._state.value}")
-        self._state = _State.STARTING
-        self._loop = asyncio.get_running_loop()
+        self._state = State.STARTING
+        self._loop = self._affinity.bind()
         cleanup_stale_segments()
         try:
             await self._pool.start()
         except BaseException:
-            self._state = _State.CLOSED
+            self._state = State.CLOSED
             raise
-        self._state = _State.RUNNING
+        self._state = State.RUNNING
 
     async def close(self, *, drain: bool = True) -> None:
         """Stop accepting work, finish (or fail) what was accepted, stop the workers.
@@ -109,33 +100,44 @@ class Engine:
         With `drain`, accepted requests get up to `shutdown_timeout_s` to finish; whatever is
         left then fails with `EngineClosed`. Leaves no worker process and no shared memory.
         """
-        if self._state in (_State.CLOSING, _State.CLOSED):
+        self._affinity.check("close()")
+        if self._state in (State.CLOSING, State.CLOSED):
             return
-        self._state = _State.CLOSING
+        self._state = State.CLOSING
         self._pool.restarts_allowed = False
-        if drain and self._sched.num_in_flight and self._broken is None:
-            self._idle_waiter = asyncio.get_running_loop().create_future()
+        if drain and self._broken is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle_waiter, self.config.shutdown_timeout_s)
+                await asyncio.wait_for(self._idle(), self.config.shutdown_timeout_s)
         self._fail_everything(EngineClosed("engine closed before this request finished"))
         await self._pool.close(timeout=5.0)
         if self._timer is not None:
             self._timer.cancel()
-        self._state = _State.CLOSED
+        self._state = State.CLOSED
 
     # ---- public API ----------------------------------------------------------------------
 
-    async def prefill(self, tokens: Any, *, wait: bool = False) -> PrefillResult:
+    async def prefill(
+        self,
+        tokens: Any,
+        *,
+        wait: bool = False,
+        deadline_s: float | None = None,
+        request_id: str | int | None = None,
+    ) -> PrefillResult:
         """Run the prefill of one prompt; return its greedy next token and timings.
 
         Raises `InvalidRequest` for a bad prompt and, past `max_pending` waiting requests,
-        `EngineOverloaded` — or, with `wait=True`, waits for room instead.
+        `EngineOverloaded` — or, with `wait=True`, waits for room instead. A request not handed
+        to a worker within `deadline_s` fails with `DeadlineExceeded` and never runs;
+        `request_id` (the caller's) names the request in its errors and in log lines.
         """
         submitted_ns = time.monotonic_ns()  # TTFT counts any wait for room below
+        self._affinity.check("prefill()")
         self._check_open()
         prompt = validate_prompt(
             tokens, self.config.model.vocab_size, self.config.max_prompt_tokens or 0
         )
+        validate_controls(deadline_s, request_id)
         sched = self._sched
         if sched.num_pending >= self.config.max_pending:
             if not wait:
@@ -147,8 +149,11 @@ class Engine:
             await self._wait_for_room()
         assert self._loop is not None
         future: asyncio.Future[PrefillResult] = self._loop.create_future()
-        req = sched.submit(prompt, submitted_ns, future)
+        req = sched.submit(prompt, submitted_ns, future, request_id)
         self._stats.submitted += 1
+        if deadline_s is not None:  # armed before dispatch: deadline 0 still lets an idle worker
+            timer = self._outcomes.arm_deadline(self._loop, req, deadline_s, self._after_event)
+            future.add_done_callback(lambda _: timer.cancel())
         self._policy.on_arrival()
         self._after_event()
         try:
@@ -166,16 +171,12 @@ class Engine:
         sched = self._sched
         return self._stats.snapshot(pending=sched.num_pending, in_flight=sched.num_in_flight)
 
-    @property
-    def is_running(self) -> bool:
-        return self._state is _State.RUNNING
-
     # ---- admission -------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._state is not _State.RUNNING:
+        if self._state is not State.RUNNING:
             hint = (
-                " (use `async with Engine(config) as engine`)" if self._state is _State.NEW else ""
+                " (use `async with Engine(config) as engine`)" if self._state is State.NEW else ""
             )
             raise EngineClosed(f"engine is {self._state.value}{hint}")
         if self._broken is not None:
@@ -225,7 +226,7 @@ class Engine:
 
     def _on_timer(self) -> None:
         self._timer = None
-        if self._state in _SERVING:
+        if self._state in SERVING:
             self._policy.on_timer()
             self._after_event()
 
@@ -243,7 +244,7 @@ class Engine:
             and len(slot.in_flight) == 1
             and self._sched.num_pending
             and slot.ready
-            and self._state in _SERVING
+            and self._state in SERVING
             and self._pool.answer_waiting(slot)
         ):
             self._sched.release(slot.in_flight[0].chunks)  # continuations may ride along
@@ -258,7 +259,7 @@ class Engine:
         if free >= 0:  # a cancelled prompt's chunk: drop its KV cache with the next batch
             self._pool.free_later(slot.index, [free])
         # Next batch first: every microsecond spent here before the ring write is bubble.
-        if self._sched.num_pending and self._state in _SERVING:
+        if self._sched.num_pending and self._state in SERVING:
             self._policy.on_forward_done(slot.index)
         if isinstance(msg, BatchFailed):
             self._outcomes.fail_batch(slot.index, batch, msg)
@@ -267,17 +268,17 @@ class Engine:
 
     def on_death(self, slot: WorkerSlot, lost: deque[InFlightBatch], why: str) -> None:
         """Retry (up to max_retries) or fail what the dead group held."""
-        may_retry = self._state is _State.RUNNING
+        may_retry = self._state in (State.RUNNING, State.DRAINING)
         self._stats.retried += self._recovery.after_death(
             slot.index, lost, why, may_retry=may_retry
         )
-        if self._state in _SERVING:
+        if self._state in SERVING:
             self._policy.on_capacity()
         self._after_event()
 
     def on_restarted(self, slot: WorkerSlot) -> None:
         self._stats.worker_restarts += 1
-        if self._state in _SERVING:
+        if self._state in SERVING:
             self._policy.on_capacity()
         self._after_event()
 

@@ -4,14 +4,21 @@ The mirror image of `batching.Columns`: the one place where a group's answer bec
 caller's `PrefillResult` (per-request outputs added to the protocol land here), where errors
 reach callers, and where a caller's cancellation is booked. The engine owns the futures; this
 settles them, on the event loop, and tells the `Scheduler` how many callers stopped waiting.
+A request that carries its caller's `request_id` (`Request.tag`) gets it in its error message
+(and as the error's `request_id` attribute) and in a log line; one not dispatched by its
+`deadline_s` is withdrawn here and fails with `DeadlineExceeded`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import logging
 import time
+from collections.abc import Callable
 
 from aioprefill.batching import Request
-from aioprefill.errors import ForwardFailed, ProtocolError
+from aioprefill.errors import DeadlineExceeded, ForwardFailed, ProtocolError
 from aioprefill.protocol import BatchFailed, BatchResult
 from aioprefill.result import PrefillResult
 from aioprefill.scheduler import Scheduler
@@ -19,7 +26,20 @@ from aioprefill.stats import StatsRecorder
 from aioprefill.workers.pool import WorkerPool
 from aioprefill.workers.slot import InFlightBatch
 
-__all__ = ["Outcomes"]
+__all__ = ["Outcomes", "tagged"]
+
+log = logging.getLogger("aioprefill")
+
+
+def tagged(error: BaseException, tag: str | int | None) -> BaseException:
+    """`error` for the request the caller calls `tag`: its message names it (a copy, since
+    one error may fail a whole batch)."""
+    if tag is None:
+        return error
+    own = copy.copy(error)
+    own.args = (f"request {tag!r}: {error.args[0] if error.args else error}", *error.args[1:])
+    own.request_id = tag  # type: ignore[attr-defined]
+    return own
 
 
 class Outcomes:
@@ -109,7 +129,34 @@ class Outcomes:
                 continue
             self._sched.drop(req)
             if not req.handle.done():
-                req.handle.set_exception(error)
+                if req.tag is not None:
+                    log.warning("request %r failed: %s: %s", req.tag, type(error).__name__, error)
+                req.handle.set_exception(tagged(error, req.tag))
                 failed += 1
         self._stats.failed += failed
         self._sched.finish(failed)
+
+    def arm_deadline(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        req: Request,
+        deadline_s: float,
+        then: Callable[[], None],
+    ) -> asyncio.TimerHandle:
+        """Fail `req` with `DeadlineExceeded` if no worker got it within `deadline_s` of its
+        submission, then call `then` (the engine's after-event bookkeeping)."""
+
+        def expire() -> None:  # a closure: debug-mode asyncio reprs a cancelled timer's args
+            if req.next_pos or req.cancelled or req.handle.done():
+                return  # (its first chunk was) dispatched: it runs; or it already ended
+            self._sched.cancel(req)  # leaves the queue (or the staged batch) before any send
+            error = DeadlineExceeded(
+                f"not dispatched within deadline_s={deadline_s:g}: it never ran"
+            )
+            log.info("request %r: %s", req.tag if req.tag is not None else req.request_id, error)
+            req.handle.set_exception(tagged(error, req.tag))
+            self._stats.failed += 1
+            then()
+
+        # The deadline counts from the prefill() call, like TTFT (any wait for room included).
+        return loop.call_later(deadline_s - (time.monotonic_ns() - req.submitted_ns) / 1e9, expire)

@@ -55,9 +55,11 @@ class Scheduler:
 
     # ---- arrivals and departures ----------------------------------------------------------
 
-    def submit(self, tokens: bytes, submitted_ns: int, handle: Any) -> Request:
+    def submit(
+        self, tokens: bytes, submitted_ns: int, handle: Any, tag: str | int | None = None
+    ) -> Request:
         """Accept a prompt: it joins the staged batch (head of the queue) or the queue."""
-        req = Request(next(self._ids), tokens, submitted_ns, handle)
+        req = Request(next(self._ids), tokens, submitted_ns, handle, tag=tag)
         if not (self.staging and not self.pending and self.staged.try_add(req, self.budget)):
             self.pending.append(req)
         self.num_pending += 1

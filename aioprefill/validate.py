@@ -10,6 +10,7 @@ that names the first bad element by index and value.
 from __future__ import annotations
 
 import array as _array
+import math
 import sys
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from aioprefill.errors import InvalidRequest, InvalidRequestType
 
-__all__ = ["validate_prompt"]
+__all__ = ["validate_controls", "validate_prompt"]
 
 # Up to this length a list is range-checked and packed without NumPy (little-endian hosts: the
 # wire is "<i4", array.array is native).
@@ -107,3 +108,21 @@ def _range_message(index: int, value: int, vocab_size: int) -> str:
     return (
         f"prompt has id {value} at index {index}, outside the vocabulary (vocab_size={vocab_size})"
     )
+
+
+def validate_controls(deadline_s: Any, request_id: Any) -> None:
+    """Refuse a `deadline_s` that is not a finite number >= 0, and a `request_id` that is
+    neither a str nor an int (it is shown in errors and logs)."""
+    if deadline_s is not None and (
+        isinstance(deadline_s, bool)
+        or not isinstance(deadline_s, (int, float))
+        or not math.isfinite(deadline_s)
+        or deadline_s < 0
+    ):
+        raise InvalidRequest(
+            f"deadline_s must be a finite number of seconds >= 0, got {deadline_s!r}"
+        )
+    if request_id is not None and (
+        isinstance(request_id, bool) or not isinstance(request_id, (str, int))
+    ):
+        raise InvalidRequestType(f"request_id must be a str or an int, got {request_id!r}")

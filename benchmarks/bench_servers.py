@@ -1,9 +1,9 @@
 """Server CPU per request and requests/s of the example HTTP fronts, side by side in one run.
 
 Each variant is a real server process from `examples/` on 127.0.0.1 (a SimModel engine with one
-worker whose forwards take 0.5 ms whatever the batch, so the engine never limits throughput), driven by the same
-client (bare keep-alive HTTP/1.1 connections on uvloop, in this process: the cheapest Python
-client, so that the server saturates first) through two phases:
+worker whose forwards take 0.5 ms whatever the batch, so the engine never limits throughput),
+driven by the same client (bare keep-alive HTTP/1.1 connections on uvloop, in this process: the
+cheapest Python client, so that the server saturates first) through two phases:
 
 * bursty: bursts of `--burst` requests (64-token prompts, bodies pre-encoded) every
   `--interval-ms`, open loop, for `--duration` s: the server CPU a request costs at a load the

@@ -18,6 +18,7 @@ from serving import (
     codec,
     engine_config,
     error_status,
+    health_body,
     parse_args,
     profiled,
     result_body,
@@ -45,9 +46,8 @@ class App:
         if path == "/prefill" and method == "POST":
             status, headers, body = await self.prefill(receive)
         elif path == "/health" and method == "GET":
-            running = self.engine.is_running
-            status, headers = (200 if running else 503), JSON
-            body = self.dumps({"running": running, "worker_pids": self.engine.worker_pids()})
+            h = self.engine.health()
+            status, headers, body = (200 if h.is_running else 503), JSON, self.dumps(health_body(h))
         elif path == "/metrics" and method == "GET":
             body, content_type = metrics.render(self.registry)
             status, headers = 200, [(b"content-type", content_type.encode())]

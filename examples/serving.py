@@ -16,6 +16,7 @@ from aioprefill import (
     AioprefillError,
     EngineClosed,
     EngineConfig,
+    EngineHealth,
     EngineOverloaded,
     InvalidRequest,
     PaddleModel,
@@ -117,6 +118,12 @@ def result_body(r: PrefillResult) -> dict[str, Any]:
         "num_tokens": r.num_tokens,
         "ttft_us": r.ttft_ns // 1000,
     }
+
+
+def health_body(h: EngineHealth) -> dict[str, Any]:
+    """GET /health: 200 with this body while `h.is_running`, else 503 (draining, closed, or
+    every worker given up), so a load balancer stops routing here."""
+    return msgspec.to_builtins(h)  # {"is_running", "state", "workers": [{index, state, pid...}]}
 
 
 def error_status(exc: AioprefillError) -> int:

@@ -28,6 +28,7 @@ from serving import (
     codec,
     engine_config,
     error_status,
+    health_body,
     parse_args,
     profiled,
     result_body,
@@ -92,8 +93,8 @@ def create_app(args: argparse.Namespace) -> Starlette:
 
     async def health(request: Request) -> Response:
         engine: Engine = state["engine"]
-        body = {"running": engine.is_running, "worker_pids": engine.worker_pids()}
-        return json_response(body, 200 if engine.is_running else 503)
+        h = engine.health()  # each worker's state; is_running: False once it cannot serve
+        return json_response(health_body(h), 200 if h.is_running else 503)
 
     async def metrics_endpoint(request: Request) -> Response:
         body, content_type = metrics.render(state["registry"])

@@ -35,6 +35,8 @@ async def test_scrape_reflects_stats_with_cumulative_second_buckets():
     assert s["aioprefill_requests_submitted_total"] == 40
     assert s["aioprefill_requests_completed_total"] == 40
     assert s["aioprefill_requests_in_flight"] == 0
+    assert s["aioprefill_engine_running"] == 1  # from engine.health()
+    assert s["aioprefill_worker_state|state=ready|worker=0"] == 1
     assert s["aioprefill_ttft_seconds_count"] == 40
     assert s["aioprefill_ttft_seconds_sum"] == pytest.approx(
         stats.ttft_us.mean * 40 / 1e6, rel=1e-6

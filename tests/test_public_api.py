@@ -11,6 +11,7 @@ def test_public_names_are_pinned():
             "Engine",
             "EngineClosed",
             "EngineConfig",
+            "EngineHealth",
             "EngineOverloaded",
             "EngineStats",
             "ForwardFailed",
@@ -69,7 +70,16 @@ def test_prefill_result_has_the_contract_fields():
 
 
 def test_engine_contract_methods():
-    for name in ("prefill", "worker_pids", "stats", "__aenter__", "__aexit__"):
+    for name in (
+        "prefill",
+        "worker_pids",
+        "stats",
+        "health",
+        "drain",
+        "submit_threadsafe",
+        "__aenter__",
+        "__aexit__",
+    ):
         assert callable(getattr(aioprefill.Engine, name))
     cfg = aioprefill.EngineConfig(
         model=aioprefill.SimModel(fixed_ms=15.0, per_token_us=20.0, attn_ns=0.0, vocab_size=32000),

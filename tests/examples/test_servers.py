@@ -200,8 +200,9 @@ async def test_sigterm_answers_every_request_in_flight_and_leaves_nothing(exampl
     with run_example(example, *flags) as server:
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
             health = await wait_ready(client, server)
-            worker_pids = health["worker_pids"]
-            assert worker_pids
+            assert health["is_running"] and health["state"] == "running"
+            worker_pids = [w["pid"] for w in health["workers"]]
+            assert [w["state"] for w in health["workers"]] == ["ready"] and worker_pids[0] > 0
             prompts = [[i % VOCAB, 1, 2] for i in range(200)]
             replies = [
                 asyncio.ensure_future(client.post(server.url + "/prefill", json={"tokens": p}))
