@@ -124,10 +124,12 @@ class Connection:
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         head = await self.reader.readuntil(b"\r\n\r\n")
-        length = 0
+        length = -1
         for line in head.split(b"\r\n"):
             if line[:15].lower() == b"content-length:":
                 length = int(line[15:])
+        if length < 0:  # e.g. chunked: this client would lose its place in the stream
+            raise RuntimeError(f"response without Content-Length: {head!r}")
         await self.reader.readexactly(length)
         return head.startswith(b"HTTP/1.1 200")
 

@@ -55,6 +55,7 @@ class App:
             status, headers, body = 404, JSON, self.dumps({"error": "not found"})
         if status == 499:
             return  # the client is gone: nothing to send
+        headers = [*headers, (b"content-length", b"%d" % len(body))]  # else uvicorn chunks it
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
