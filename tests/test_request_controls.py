@@ -27,15 +27,13 @@ def sim(fixed_ms: float, **kw: int) -> SimModel:
 
 
 async def test_a_request_not_dispatched_by_its_deadline_fails_and_never_runs():
-    async with Engine(EngineConfig(model=sim(300.0))) as engine:
-        busy = asyncio.ensure_future(engine.prefill([1]))  # holds the only worker for 300 ms
+    async with Engine(EngineConfig(model=sim(1000.0))) as engine:
+        busy = asyncio.ensure_future(engine.prefill([1]))  # holds the only worker for 1 s
         await asyncio.sleep(0.01)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
         with pytest.raises(DeadlineExceeded, match=r"request 'late-1'.*deadline_s=0.05") as info:
             await engine.prefill([2], deadline_s=0.05, request_id="late-1")
         assert isinstance(info.value, TimeoutError)
-        assert loop.time() - started < 0.25  # failed at its deadline, not when the worker freed
+        assert not busy.done()  # it failed at its deadline, not once the worker was free
         ok = asyncio.ensure_future(engine.prefill([3], deadline_s=5.0))
         assert (await busy).batch_size == 1
         assert (await ok).token == expected_token([3])
