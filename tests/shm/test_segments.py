@@ -201,7 +201,9 @@ def test_cleanup_removes_recycled_pid(monkeypatch: pytest.MonkeyPatch):
     mm.close()
     try:
         assert name not in cleanup_stale_segments()  # ...before the segment: kept
-        monkeypatch.setattr(segments, "_started_after", lambda pid, when: True)
+        # Only pid 1 looks recycled: `lambda pid, when: True` made this call unlink every live
+        # engine's segments on the machine (any test run or server of this user, at that moment).
+        monkeypatch.setattr(segments, "_started_after", lambda pid, when: pid == 1)
         assert name in cleanup_stale_segments()
     finally:
         segments.unlink_segment(name)
