@@ -25,6 +25,7 @@ from serving import (
     engine_config,
     error_status,
     health_body,
+    options_from,
     parse_args,
     profiled,
     result_body,
@@ -59,7 +60,9 @@ def create_app(args: argparse.Namespace) -> web.Application:
                 body = loads(await request.read())
             except ValueError as exc:  # every codec's decode error is a ValueError
                 return json_response({"error": f"invalid JSON ({exc})"}, 400)
-            result = await engine.prefill(tokens_from(body))
+            tokens = tokens_from(body)
+            options = options_from(body, request.headers.get("X-Request-Id"))
+            result = await engine.prefill(tokens, **options)
         except AioprefillError as exc:
             return json_response({"error": str(exc)}, error_status(exc))
         return json_response(result_body(result))

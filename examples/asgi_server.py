@@ -19,6 +19,7 @@ from serving import (
     engine_config,
     error_status,
     health_body,
+    options_from,
     parse_args,
     profiled,
     result_body,
@@ -44,7 +45,10 @@ class App:
         assert self.engine is not None
         path, method = scope["path"], scope["method"]
         if path == "/prefill" and method == "POST":
-            status, headers, body = await self.prefill(receive)
+            request_id = next(
+                (v.decode() for k, v in scope["headers"] if k == b"x-request-id"), None
+            )
+            status, headers, body = await self.prefill(receive, request_id)
         elif path == "/health" and method == "GET":
             h = self.engine.health()
             status, headers, body = (200 if h.is_running else 503), JSON, self.dumps(health_body(h))
@@ -59,7 +63,7 @@ class App:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def prefill(self, receive: Any) -> tuple[int, list, bytes]:
+    async def prefill(self, receive: Any, request_id: str | None) -> tuple[int, list, bytes]:
         chunks = []
         while True:
             msg = await receive()
@@ -74,7 +78,9 @@ class App:
             except ValueError as exc:  # every codec's decode error is a ValueError
                 return 400, JSON, self.dumps({"error": f"invalid JSON ({exc})"})
             assert self.engine is not None
-            job = asyncio.ensure_future(self.engine.prefill(tokens_from(body)))
+            tokens = tokens_from(body)
+            options = options_from(body, request_id)
+            job = asyncio.ensure_future(self.engine.prefill(tokens, **options))
         except AioprefillError as exc:
             return error_status(exc), JSON, self.dumps({"error": str(exc)})
         gone = asyncio.ensure_future(receive())  # the body was read: next is http.disconnect

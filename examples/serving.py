@@ -14,6 +14,7 @@ import msgspec
 
 from aioprefill import (
     AioprefillError,
+    DeadlineExceeded,
     EngineClosed,
     EngineConfig,
     EngineHealth,
@@ -109,6 +110,17 @@ def tokens_from(body: Any) -> Any:
     return body["tokens"]
 
 
+def options_from(body: dict[str, Any], request_id: str | None) -> dict[str, Any]:
+    """prefill()'s per-request controls: `"deadline_s"` from the body, the request id from the
+    X-Request-Id header (it then names the request in the engine's errors and logs)."""
+    options: dict[str, Any] = {}
+    if "deadline_s" in body:
+        options["deadline_s"] = body["deadline_s"]
+    if request_id is not None:
+        options["request_id"] = request_id
+    return options
+
+
 def result_body(r: PrefillResult) -> dict[str, Any]:
     return {
         "token": r.token,
@@ -127,10 +139,13 @@ def health_body(h: EngineHealth) -> dict[str, Any]:
 
 
 def error_status(exc: AioprefillError) -> int:
-    """400 for a bad prompt (the library's message is the body), 503 when the engine cannot take
-    it now (overloaded, closing, no worker), 500 when it failed while running."""
+    """400 for a bad prompt (the library's message is the body), 504 past its deadline_s, 503
+    when the engine cannot take it now (overloaded, closing, no worker), 500 when it failed
+    while running."""
     if isinstance(exc, InvalidRequest):
         return 400
+    if isinstance(exc, DeadlineExceeded):
+        return 504  # not dispatched in time: it never ran
     if isinstance(exc, (EngineOverloaded, EngineClosed, WorkerStartFailed)):
         return 503
     return 500

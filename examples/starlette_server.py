@@ -29,6 +29,7 @@ from serving import (
     engine_config,
     error_status,
     health_body,
+    options_from,
     parse_args,
     profiled,
     result_body,
@@ -43,10 +44,10 @@ from aioprefill import AioprefillError, Engine, PrefillResult, metrics
 
 
 async def prefill_unless_disconnected(
-    engine: Engine, request: Request, tokens: Any
+    engine: Engine, request: Request, tokens: Any, options: dict[str, Any]
 ) -> PrefillResult | None:
     """The prefill's result, or None (prefill cancelled) if the client disconnected first."""
-    job = asyncio.ensure_future(engine.prefill(tokens))
+    job = asyncio.ensure_future(engine.prefill(tokens, **options))
     gone = asyncio.ensure_future(request.receive())  # the body was read: next is disconnect
     try:
         await asyncio.wait((job, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -84,7 +85,9 @@ def create_app(args: argparse.Namespace) -> Starlette:
                 body = loads(await request.body())
             except ValueError as exc:  # every codec's decode error is a ValueError
                 return json_response({"error": f"invalid JSON ({exc})"}, 400)
-            result = await prefill_unless_disconnected(engine, request, tokens_from(body))
+            tokens = tokens_from(body)
+            options = options_from(body, request.headers.get("x-request-id"))
+            result = await prefill_unless_disconnected(engine, request, tokens, options)
         except AioprefillError as exc:
             return json_response({"error": str(exc)}, error_status(exc))
         if result is None:

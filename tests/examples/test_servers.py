@@ -191,6 +191,28 @@ async def test_load_bad_bodies_and_disconnect(example):
             )
             r = await client.post(server.url + "/prefill", json={"tokens": [9, 9]})
             assert r.status_code == 200 and r.json()["token"] == expected_token([9, 9])
+
+            # Per-request controls: a bad deadline_s is a 400; one that passes while the worker
+            # is busy is a 504 naming the X-Request-Id.
+            r = await client.post(server.url + "/prefill", json={"tokens": [1], "deadline_s": -1})
+            assert r.status_code == 400 and "deadline_s must be" in r.json()["error"]
+            long = asyncio.ensure_future(
+                client.post(server.url + "/prefill", json={"tokens": [7] * 3000})
+            )
+            await until(
+                client,
+                server,
+                lambda m: m["aioprefill_requests_in_flight"] == 1,
+                "the long request in flight",
+            )
+            r = await client.post(
+                server.url + "/prefill",
+                json={"tokens": [1], "deadline_s": 0.01},
+                headers={"X-Request-Id": "abc-1"},
+            )
+            assert r.status_code == 504, r.text
+            assert r.json()["error"].startswith("request 'abc-1': not dispatched within")
+            assert (await long).status_code == 200
             assert server.proc.poll() is None, server.output()
 
 
