@@ -8,6 +8,7 @@ and a bad one raises `InvalidConfig` naming the field.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,7 +16,15 @@ import msgspec
 
 from aioprefill.errors import InvalidConfig
 
-__all__ = ["POLICIES", "EngineConfig", "ModelSpec", "PaddleModel", "SimModel"]
+__all__ = [
+    "ARCHITECTURES",
+    "POLICIES",
+    "ROPE_TYPES",
+    "EngineConfig",
+    "ModelSpec",
+    "PaddleModel",
+    "SimModel",
+]
 
 POLICIES = ("forward", "eager", "timeout")
 
@@ -72,6 +81,11 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
         _positive_int(self.vocab_size, "SimModel.vocab_size")
         _positive_int(self.max_position_embeddings, "SimModel.max_position_embeddings")
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this model takes: its max_position_embeddings."""
+        return self.max_position_embeddings
+
     def forward_seconds(self, seq_lens: list[int]) -> float:
         """The cost model: how long one forward over these (chunk) lengths sleeps."""
         tokens = sum(seq_lens)
@@ -81,24 +95,47 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
         )
 
 
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
 class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
     """A Llama-style decoder run by PaddlePaddle inside each worker process.
 
     `PaddleModel(seed=0)` is the tiny model of the design brief: 4 layers, hidden 256, 8 heads
     (4 KV heads), FFN 768, vocab 32000, about 19.6 M parameters. `weights=` loads a safetensors
-    file with Hugging Face Llama tensor names instead of random initialisation.
+    file, or a checkpoint directory (`model.safetensors` or a sharded index), with Hugging Face
+    tensor names instead of random initialisation. `PaddleModel.from_pretrained(path)` reads every
+    field from a Hugging Face checkpoint directory's `config.json`.
+
+    The variants a Hugging Face architecture needs are fields: `head_dim` (0: hidden_size //
+    num_heads), `attention_bias` (q/k/v projections with a bias, Qwen2), `qk_norm` (per-head RMSNorm
+    on queries and keys before RoPE, Qwen3), `rope_type` "linear" / "llama3" with its `rope_*`
+    parameters, and `sliding_window` (attention span; prompts longer than it are refused, since
+    the forward computes full causal attention). `architecture` only names what the spec was read
+    from.
     """
 
     num_layers: int = 4
     hidden_size: int = 256
     num_heads: int = 8
     num_kv_heads: int = 4
+    head_dim: int = 0
     intermediate_size: int = 768
     vocab_size: int = 32000
     max_position_embeddings: int = 32768
     rope_theta: float = 10000.0
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
     tie_word_embeddings: bool = False
+    architecture: str = "LlamaForCausalLM"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     seed: int = 0
     weights: str | None = None
@@ -116,30 +153,76 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
             "vocab_size",
             "max_position_embeddings",
             "num_threads",
+            "rope_original_max_position_embeddings",
         ):
             _positive_int(getattr(self, name), f"PaddleModel.{name}")
-        _require(
-            self.hidden_size % self.num_heads == 0,
-            "PaddleModel.hidden_size",
-            f"{self.hidden_size} is not divisible by num_heads={self.num_heads}",
-        )
+        _positive_int(self.head_dim, "PaddleModel.head_dim", allow_zero=True)
+        if self.head_dim == 0:
+            _require(
+                self.hidden_size % self.num_heads == 0,
+                "PaddleModel.hidden_size",
+                f"{self.hidden_size} is not divisible by num_heads={self.num_heads} "
+                "(or set head_dim)",
+            )
+            # Resolved once here, so every reader (and every worker) sees the real value.
+            msgspec.structs.force_setattr(self, "head_dim", self.hidden_size // self.num_heads)
         _require(
             self.num_heads % self.num_kv_heads == 0,
             "PaddleModel.num_kv_heads",
             f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}",
         )
         _require(
-            (self.hidden_size // self.num_heads) % 2 == 0,
-            "PaddleModel.num_heads",
-            "head_dim (hidden_size // num_heads) must be even for RoPE",
+            self.head_dim % 2 == 0,
+            "PaddleModel.head_dim",
+            f"must be even for RoPE, got {self.head_dim}",
         )
         _finite_nonneg(self.rope_theta, "PaddleModel.rope_theta")
+        _require(self.rope_theta > 0, "PaddleModel.rope_theta", "must be > 0")
+        _require(
+            self.rope_type in ROPE_TYPES,
+            "PaddleModel.rope_type",
+            f"must be one of {', '.join(ROPE_TYPES)}; got {self.rope_type!r}",
+        )
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            _finite_nonneg(getattr(self, name), f"PaddleModel.{name}")
+            _require(getattr(self, name) > 0, f"PaddleModel.{name}", "must be > 0")
+        if self.rope_type == "llama3":
+            _require(
+                self.rope_high_freq_factor > self.rope_low_freq_factor,
+                "PaddleModel.rope_high_freq_factor",
+                f"must exceed rope_low_freq_factor ({self.rope_low_freq_factor}) for llama3 RoPE",
+            )
         _finite_nonneg(self.rms_norm_eps, "PaddleModel.rms_norm_eps")
+        if self.sliding_window is not None:
+            _positive_int(self.sliding_window, "PaddleModel.sliding_window")
+        _require(
+            self.architecture in ARCHITECTURES,
+            "PaddleModel.architecture",
+            f"must be one of {', '.join(ARCHITECTURES)}; got {self.architecture!r}",
+        )
         _require(isinstance(self.seed, int), "PaddleModel.seed", "must be an int")
 
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], **overrides: object) -> PaddleModel:
+        """The spec of a Hugging Face checkpoint directory (`config.json` plus `model.safetensors`
+        or `model.safetensors.index.json` and its shards), with `weights=` set to it.
+
+        `overrides` replace fields (`device="cpu"`, `dtype="bfloat16"`, `num_threads=4`, ...)
+        and show on the returned spec. An architecture, RoPE type, quantization or any other
+        config key that would change the forward and is not implemented raises `InvalidConfig`
+        naming the key; so do tensors that do not fit (checked from the file headers).
+        """
+        from aioprefill.hf import spec_from_pretrained
+
+        return spec_from_pretrained(path, overrides)
+
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this model computes exactly: its positions, and its sliding window
+        (longer prompts would need the window's mask, which the forward does not apply)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
 
 ModelSpec = SimModel | PaddleModel
@@ -193,13 +276,20 @@ class EngineConfig:
         _finite_nonneg(self.batch_timeout_ms, "EngineConfig.batch_timeout_ms")
         _positive_int(self.max_pending, "EngineConfig.max_pending")
         if self.max_prompt_tokens is None:
-            self.max_prompt_tokens = self.model.max_position_embeddings
+            self.max_prompt_tokens = self.model.max_prompt_tokens
         _positive_int(self.max_prompt_tokens, "EngineConfig.max_prompt_tokens")
         _require(
             self.max_prompt_tokens <= self.model.max_position_embeddings,
             "EngineConfig.max_prompt_tokens",
             f"{self.max_prompt_tokens} exceeds the model's max_position_embeddings "
             f"({self.model.max_position_embeddings})",
+        )
+        window = getattr(self.model, "sliding_window", None)
+        _require(
+            window is None or self.max_prompt_tokens <= window,
+            "EngineConfig.max_prompt_tokens",
+            f"{self.max_prompt_tokens} exceeds the model's sliding_window ({window}): "
+            "prompts longer than the window are not supported",
         )
         _require(
             self.enable_chunked_prefill or self.max_prompt_tokens <= self.max_batch_tokens,
