@@ -117,9 +117,7 @@ def main() -> None:
     _, p = build("llama_theta_eps", LlamaConfig, 1, rope_theta=500000.0, rms_norm_eps=1e-5)
     record(p)
     # Llama 3.1-style RoPE scaling, in the older spelling Llama 3.1/3.2 files use.
-    _, p = build(
-        "llama3_rope", LlamaConfig, 2, rope_parameters={"rope_theta": 500000.0, **LLAMA3}
-    )
+    _, p = build("llama3_rope", LlamaConfig, 2, rope_parameters={"rope_theta": 500000.0, **LLAMA3})
     edit_config(p, drop=("rope_parameters",), rope_theta=500000.0, rope_scaling=LLAMA3)
     record(p)
     # Linear RoPE scaling, saved sharded with a small max_shard_size.
