@@ -193,6 +193,15 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
                 f"must exceed rope_low_freq_factor ({self.rope_low_freq_factor}) for llama3 RoPE",
             )
         _finite_nonneg(self.rms_norm_eps, "PaddleModel.rms_norm_eps")
+        for name, allowed in (
+            ("dtype", ("float32", "float16", "bfloat16")),
+            ("device", ("auto", "cpu", "gpu")),
+        ):
+            _require(
+                getattr(self, name) in allowed,
+                f"PaddleModel.{name}",
+                f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}",
+            )
         if self.sliding_window is not None:
             _positive_int(self.sliding_window, "PaddleModel.sliding_window")
         _require(

@@ -163,7 +163,7 @@ def _rope(c: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
         raise _refuse(f"{key}.partial_rotary_factor", "partial rotary embeddings are not supported")
-    for name in _ROPE_KEYS[rope_type]:
+    for name in sorted(_ROPE_KEYS[rope_type]):
         if name not in params:
             raise _refuse(f"{key}.{name}", f"missing for rope_type {rope_type!r}")
         fields["rope_" + name] = params.pop(name)
