@@ -229,10 +229,11 @@ class PaddleRunner:
         if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size):
             raise ValueError(f"token id out of range [0, {self.spec.vocab_size})")
         ends = batch.start_pos.astype(np.int64) + lens
-        if int(ends.max()) > self.spec.max_position_embeddings:
+        if int(ends.max()) > self.spec.max_prompt_tokens:
+            # max_position_embeddings, or a shorter sliding_window (which is never applied).
             raise ValueError(
-                f"position {int(ends.max())} past max_position_embeddings "
-                f"({self.spec.max_position_embeddings})"
+                f"position {int(ends.max())} past the model's {self.spec.max_prompt_tokens} "
+                "(max_position_embeddings or sliding_window)"
             )
         for rid, start in zip(batch.request_ids.tolist(), batch.start_pos.tolist(), strict=True):
             if start == 0:

@@ -88,3 +88,26 @@ async def test_mistral_prompts_past_the_window_are_refused() -> None:
             await engine.prefill(list(range(129)))
         r = await engine.prefill(list(range(128)))  # the window itself is fine
     assert 0 <= r.token < model.vocab_size
+
+
+@pytest.mark.parametrize("name", ["qwen2_bias", "qwen3_qk_norm"])
+def test_deterministic_mode_stays_bitwise_with_bias_and_qk_norm(name: str) -> None:
+    from aioprefill.workers.paddle_runner import PaddleRunner
+    from tests.model.batches import make_batch
+
+    prompts = [np.asarray(p) for p in expected(name)["prompts"]]
+    runner = PaddleRunner(PaddleModel.from_pretrained(DATA / name, deterministic=True))
+    together = runner.forward(make_batch(prompts))
+    for i, p in enumerate(prompts):
+        alone = runner.forward(make_batch([p]))
+        assert alone.tokens[0] == together.tokens[i]
+        assert alone.logprobs[0] == together.logprobs[i]
+
+
+def test_runner_refuses_positions_past_the_window() -> None:
+    from aioprefill.workers.paddle_runner import PaddleRunner
+    from tests.model.batches import make_batch
+
+    runner = PaddleRunner(PaddleModel.from_pretrained(DATA / "mistral_window"))
+    with pytest.raises(ValueError, match="position 129 past the model's 128"):
+        runner.forward(make_batch([np.arange(129)]))
