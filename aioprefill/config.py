@@ -100,6 +100,10 @@ class EngineConfig:
             f"{self.max_prompt_tokens} exceeds max_batch_tokens={self.max_batch_tokens} "
             "and enable_chunked_prefill is off",
         )
+        if isinstance(self.model, PaddleModel):
+            from aioprefill.hf import check_spec_against_config
+
+            check_spec_against_config(self.model)
         _positive_int(self.max_retries, "EngineConfig.max_retries", allow_zero=True)
         if self.forward_timeout_s is not None:
             _finite_nonneg(self.forward_timeout_s, "EngineConfig.forward_timeout_s")

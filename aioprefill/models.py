@@ -191,6 +191,12 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
                 f"PaddleModel.{name}",
                 f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}",
             )
+        for name in ("attention_bias", "qk_norm", "tie_word_embeddings", "deterministic"):
+            _require(
+                isinstance(getattr(self, name), bool),
+                f"PaddleModel.{name}",
+                f"must be a bool, got {getattr(self, name)!r}",
+            )
         if self.sliding_window is not None:
             _positive_int(self.sliding_window, "PaddleModel.sliding_window")
         _require(

@@ -166,7 +166,10 @@ def _rope(c: dict[str, Any]) -> dict[str, Any]:
     for name in sorted(_ROPE_KEYS[rope_type]):
         if name not in params:
             raise _refuse(f"{key}.{name}", f"missing for rope_type {rope_type!r}")
-        fields["rope_" + name] = params.pop(name)
+        value = params.pop(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _refuse(f"{key}.{name}", f"must be a number, got {value!r}")
+        fields["rope_" + name] = value if name.startswith("original") else float(value)
     attention_factor = params.pop("attention_factor", None)
     if attention_factor not in (None, 1.0):
         raise _refuse(f"{key}.attention_factor", f"{attention_factor!r} is not supported")

@@ -184,8 +184,9 @@ def test_missing_or_broken_files(tmp_path: Path) -> None:
 
 
 def test_tensors_are_checked_at_from_pretrained(tmp_path: Path) -> None:
+    one_layer = copy_with_config(tmp_path / "one", "llama_theta_eps", num_hidden_layers=1)
     with pytest.raises(WeightsError, match=r"unexpected tensor 'model\.layers\.1\."):
-        PaddleModel.from_pretrained(DATA / "llama_theta_eps", num_layers=1)
+        PaddleModel.from_pretrained(one_layer)
     sharded = tmp_path / "s"
     shutil.copytree(DATA / "llama_linear_sharded", sharded)
     shards = sorted(sharded.glob("model-*.safetensors"))
@@ -218,3 +219,28 @@ def test_weights_accepts_a_directory() -> None:
 
     a, b = load_weights(spec.weights, spec), load_weights(by_hand.weights, by_hand)
     assert a.keys() == b.keys() and len(a) == 1 + 2 * 9 + 2
+
+
+@pytest.mark.parametrize(
+    "field, value", [("rope_theta", 1e4), ("num_layers", 1), ("weights", "/x"), ("qk_norm", True)]
+)
+def test_overriding_what_the_checkpoint_decides_is_refused(field: str, value: object) -> None:
+    with pytest.raises(InvalidConfig, match=f"{field} comes from the checkpoint"):
+        PaddleModel.from_pretrained(DATA / "llama_theta_eps", **{field: value})
+    # A limit is not the function: a shorter max_position_embeddings is fine.
+    assert PaddleModel.from_pretrained(DATA / "llama_theta_eps", max_position_embeddings=64)
+
+
+def test_a_hand_written_spec_must_agree_with_config_json() -> None:
+    """weights= a directory with a config.json: EngineConfig refuses a spec that would run the
+    checkpoint as another function (the silent-wrong-answer case of a forgotten rope_theta)."""
+    read = PaddleModel.from_pretrained(DATA / "llama_theta_eps")
+    fields = msgspec.structs.asdict(read)
+    assert EngineConfig(model=PaddleModel(**fields)).model == read
+    for name, wrong in (("rope_theta", 10000.0), ("rms_norm_eps", 1e-6)):
+        with pytest.raises(InvalidConfig, match=rf"PaddleModel\.{name} is {wrong!r} but .*gives"):
+            EngineConfig(model=PaddleModel(**{**fields, name: wrong}))
+    mistral = msgspec.structs.asdict(PaddleModel.from_pretrained(DATA / "mistral_window"))
+    assert EngineConfig(model=PaddleModel(**{**mistral, "sliding_window": 64}))  # narrower: fine
+    with pytest.raises(InvalidConfig, match=r"PaddleModel\.sliding_window is None but"):
+        EngineConfig(model=PaddleModel(**{**mistral, "sliding_window": None}))
