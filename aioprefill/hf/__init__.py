@@ -18,7 +18,7 @@ __all__ = ["WeightsError", "check_spec_against_config", "spec_from_pretrained"]
 CONFIG_FILE = "config.json"
 # Fields that decide which function the model computes: from_pretrained takes them from
 # config.json and the checkpoint, never from an override. (Others, such as device, dtype,
-# num_threads, deterministic or a smaller max_position_embeddings, may be overridden.)
+# num_threads, deterministic or max_position_embeddings, may be overridden.)
 _FUNCTION_FIELDS = frozenset(
     {
         "architecture",
