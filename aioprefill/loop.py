@@ -34,9 +34,10 @@ from aioprefill.result import PrefillResult
 from aioprefill.scheduler import Scheduler
 from aioprefill.shm.segments import cleanup_stale_segments
 from aioprefill.stats import EngineStats, StatsRecorder
+from aioprefill.timer import LoopTimer
 from aioprefill.validate import validate_controls, validate_prompt
 from aioprefill.workers.pool import WorkerPool
-from aioprefill.workers.slot import InFlightBatch, WorkerSlot
+from aioprefill.workers.slot import InFlightBatch, PoolEvents, WorkerSlot
 
 __all__ = ["Engine"]
 
@@ -57,14 +58,21 @@ class Engine(EngineControls):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._affinity = LoopAffinity()  # the loop (and thread) that starts it owns it
         self._stats = StatsRecorder()
-        self._pool = WorkerPool(config, self._stats, self)
-        self._timer: asyncio.TimerHandle | None = None
+        events = PoolEvents(
+            self._on_forward_done,
+            self._on_batch_done,
+            self._on_death,
+            self._on_restarted,
+            self._on_gave_up,
+        )
+        self._pool = WorkerPool(config, self._stats, events)
+        self._timer = LoopTimer(self._on_timer)
         policy = policy_class(config.policy)  # chosen once: no event branches on its name
         self._sched = Scheduler(budget, staging=policy.staging)
         self._outcomes = Outcomes(self._sched, self._pool, self._stats)
         self._recovery = Recovery(self._sched, self._outcomes, config.max_retries)
         self._policy = policy(
-            self._sched, self._pool, self, batch_timeout_ms=config.batch_timeout_ms
+            self._sched, self._pool, self._timer, batch_timeout_ms=config.batch_timeout_ms
         )
         self._early = policy.early
         self._room_waiters: deque[asyncio.Future[None]] = deque()
@@ -85,7 +93,7 @@ class Engine(EngineControls):
         if self._state is not State.NEW:
             raise EngineClosed(f"engine cannot start: it is {self._state.value}")
         self._state = State.STARTING
-        self._loop = self._affinity.bind()
+        self._loop = self._timer.loop = self._affinity.bind()
         cleanup_stale_segments()
         try:
             await self._pool.start()
@@ -110,8 +118,7 @@ class Engine(EngineControls):
                 await asyncio.wait_for(self._idle(), self.config.shutdown_timeout_s)
         self._fail_everything(EngineClosed("engine closed before this request finished"))
         await self._pool.close(timeout=5.0)
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.cancel()
         self._state = State.CLOSED
 
     # ---- public API ----------------------------------------------------------------------
@@ -213,31 +220,19 @@ class Engine(EngineControls):
         self._outcomes.cancelled(req)
         self._after_event()
 
-    # ---- the policy's timer (`Timer`) -----------------------------------------------------
-
-    @property
-    def armed(self) -> bool:
-        return self._timer is not None
-
-    def arm_at(self, due_ns: int) -> None:
-        assert self._loop is not None
-        delay = max(0.0, (due_ns - time.monotonic_ns()) / 1e9)
-        self._timer = self._loop.call_later(delay, self._on_timer)
+    # ---- events ----------------------------------------------------------------------
 
     def _on_timer(self) -> None:
-        self._timer = None
         if self._state in SERVING:
             self._policy.on_timer()
             self._after_event()
 
-    # ---- pool events (`PoolEvents`) -------------------------------------------------------
-
-    def on_forward_done(self, slot: WorkerSlot) -> None:
+    def _on_forward_done(self, slot: WorkerSlot) -> None:
         """A group's eventfd fired: a forward ended and its answer waits in the ring.
 
         With policy ``forward`` the group gets its next batch *before* the answer is even
         decoded: the answer is safe in the ring, and every microsecond spent before the ring
-        write is bubble. `on_batch_done` then sees the new batch in flight and sends no other.
+        write is bubble. `_on_batch_done` then sees the new batch in flight and sends no other.
         """
         if (
             self._early
@@ -252,7 +247,7 @@ class Engine(EngineControls):
         self._pool.read_answers(slot)
         self._after_event()
 
-    def on_batch_done(
+    def _on_batch_done(
         self, slot: WorkerSlot, batch: InFlightBatch, msg: BatchResult | BatchFailed
     ) -> None:
         free = self._sched.release(batch.chunks)
@@ -266,7 +261,7 @@ class Engine(EngineControls):
         else:
             self._outcomes.resolve(slot.index, batch, msg)
 
-    def on_death(self, slot: WorkerSlot, lost: deque[InFlightBatch], why: str) -> None:
+    def _on_death(self, slot: WorkerSlot, lost: deque[InFlightBatch], why: str) -> None:
         """Retry (up to max_retries) or fail what the dead group held."""
         may_retry = self._state in (State.RUNNING, State.DRAINING)
         self._stats.retried += self._recovery.after_death(
@@ -276,13 +271,13 @@ class Engine(EngineControls):
             self._policy.on_capacity()
         self._after_event()
 
-    def on_restarted(self, slot: WorkerSlot) -> None:
+    def _on_restarted(self, slot: WorkerSlot) -> None:
         self._stats.worker_restarts += 1
         if self._state in SERVING:
             self._policy.on_capacity()
         self._after_event()
 
-    def on_gave_up(self, slot: WorkerSlot) -> None:
+    def _on_gave_up(self, slot: WorkerSlot) -> None:
         if self._pool.all_gave_up:
             self._broken = WorkerStartFailed(
                 f"every worker died more than max_restarts={self.config.max_restarts} times "

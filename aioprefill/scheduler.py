@@ -88,6 +88,8 @@ class Scheduler:
         if req.next_pos < req.num_tokens and not req.cancelled:
             self.num_pending -= 1
             self.pending_tokens -= req.remaining
+            if req.next_pos == 0:
+                self.staged.note_cancelled()
         req.cancelled = True
 
     def finish(self, count: int) -> None:

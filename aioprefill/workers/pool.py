@@ -160,7 +160,9 @@ class WorkerPool:
         data = protocol.encode_into(columns.pack(batch_id, slot.free_ids, now), self._buffer)
         # One rank per group today. A tensor-parallel group writes `data` to every rank's ring
         # after checking that each has room, so that no rank gets a batch its peers lack.
-        inbox = slot.ranks[0].inbox
+        ranks = slot.ranks
+        assert len(ranks) == 1, "multi-rank groups write every ring: see docs/architecture.md"
+        inbox = ranks[0].inbox
         assert inbox is not None
         if not inbox.send_nowait(data):
             slot.ring_full = True

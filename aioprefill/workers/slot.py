@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from aioprefill.batching import Chunk
 from aioprefill.protocol import BatchFailed, BatchResult
@@ -59,22 +59,15 @@ class WorkerSlot:
         return f"<worker group {self.index} ready={self.ready} in_flight={len(self.in_flight)}>"
 
 
-class PoolEvents(Protocol):
-    """What the pool reports to the engine (all called on the event loop)."""
+@dataclass(slots=True, frozen=True)
+class PoolEvents:
+    """What the pool reports to its owner (the engine), all on the event loop."""
 
-    def on_forward_done(self, slot: WorkerSlot) -> None:
-        """The group's forward-done eventfd fired (call `read_answers` to act on it)."""
-
-    def on_batch_done(
-        self, slot: WorkerSlot, batch: InFlightBatch, msg: BatchResult | BatchFailed
-    ) -> None:
-        """The group answered the batch at the head of its ring (already removed from it)."""
-
-    def on_death(self, slot: WorkerSlot, lost: deque[InFlightBatch], why: str) -> None:
-        """The group died; `lost` were in flight on it. Its restart is scheduled after this."""
-
-    def on_restarted(self, slot: WorkerSlot) -> None:
-        """A dead group is ready again."""
-
-    def on_gave_up(self, slot: WorkerSlot) -> None:
-        """The group died too often and stays down."""
+    # The group's forward-done eventfd fired (the owner then calls `read_answers`).
+    on_forward_done: Callable[[WorkerSlot], None]
+    # The group answered the batch at the head of its ring (already removed from it).
+    on_batch_done: Callable[[WorkerSlot, InFlightBatch, BatchResult | BatchFailed], None]
+    # The group died with these batches in flight; its restart is scheduled right after.
+    on_death: Callable[[WorkerSlot, deque[InFlightBatch], str], None]
+    on_restarted: Callable[[WorkerSlot], None]  # a dead group is ready again
+    on_gave_up: Callable[[WorkerSlot], None]  # the group died too often and stays down

@@ -67,7 +67,7 @@ def segments_of(pid: int) -> list[str]:
 
 def all_ready(engine: Engine) -> bool:
     """Every worker is up and serving (a restarting worker has a pid before it is ready)."""
-    return all(w.ready for w in engine._pool.slots)
+    return engine._pool.all_ready()
 
 
 def busy_worker(engine: Engine) -> int | None:
