@@ -20,7 +20,8 @@ from aioprefill.health import EngineHealth, health_of
 
 if TYPE_CHECKING:
     from aioprefill.result import PrefillResult
-    from aioprefill.workers.slot import WorkerSlot
+    from aioprefill.scheduler import Scheduler
+    from aioprefill.workers.pool import WorkerPool
 
 __all__ = ["SERVING", "EngineControls", "State"]
 
@@ -41,8 +42,8 @@ class EngineControls:
     _state: State
     _affinity: LoopAffinity
     _loop: asyncio.AbstractEventLoop | None
-    _workers: list[WorkerSlot]
-    _num_in_flight: int
+    _sched: Scheduler
+    _pool: WorkerPool
     _broken: AioprefillError | None
     _idle_waiter: asyncio.Future[None] | None
     if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class EngineControls:
     def health(self) -> EngineHealth:
         """Each worker's state (ready, busy, restarting, given up...) and `is_running`."""
         state = "broken" if self._broken is not None else self._state.value
-        return health_of(state, self.is_running, self._workers)
+        return health_of(state, self.is_running, self._pool.slots)
 
     async def drain(self) -> None:
         """Stop admitting (`prefill()` raises `EngineClosed`) and wait until every accepted
@@ -71,7 +72,7 @@ class EngineControls:
     async def _idle(self) -> None:
         """Wait until no accepted request is left (one waiter shared by drain and close; the
         engine resolves it when its last request ends)."""
-        if self._num_in_flight:
+        if self._sched.num_in_flight:
             if self._idle_waiter is None or self._idle_waiter.done():
                 assert self._loop is not None
                 self._idle_waiter = self._loop.create_future()

@@ -17,8 +17,6 @@ AioprefillError
 
 from __future__ import annotations
 
-import copy
-
 __all__ = [
     "AioprefillError",
     "DeadlineExceeded",
@@ -33,7 +31,6 @@ __all__ = [
     "WorkerCrashed",
     "WorkerStartFailed",
     "WrongLoop",
-    "tagged",
 ]
 
 
@@ -69,17 +66,6 @@ class WrongLoop(AioprefillError, RuntimeError):
 
 class DeadlineExceeded(AioprefillError, TimeoutError):
     """The request was not dispatched to a worker by its `deadline_s`; it never ran."""
-
-
-def tagged(error: BaseException, tag: str | int | None) -> BaseException:
-    """`error` for the request its caller calls `tag`: the message names it, and so does
-    `.request_id` (a copy, since one error may fail a whole batch)."""
-    if tag is None:
-        return error
-    own = copy.copy(error)
-    own.args = (f"request {tag!r}: {error.args[0] if error.args else error}", *error.args[1:])
-    own.request_id = tag  # type: ignore[attr-defined]
-    return own
 
 
 class WorkerCrashed(AioprefillError):

@@ -57,19 +57,19 @@ def health_of(state: str, is_running: bool, slots: Sequence[WorkerSlot]) -> Engi
 
 def _worker(slot: WorkerSlot, live: bool) -> WorkerHealth:
     state: WorkerState
-    if slot.gave_up:
+    if slot.backoff.gave_up:
         state = "given_up"
     elif not live:
         state = "stopped"
     elif slot.ready:
         state = "busy" if slot.in_flight else "ready"
     else:  # no process ready: a first start, or a restart after a death
-        state = "restarting" if slot.deaths else "starting"
+        state = "restarting" if slot.backoff.deaths else "starting"
     handle = slot.handle
     return WorkerHealth(
         index=slot.index,
         state=state,
         pid=handle.pid if handle is not None else -1,
         in_flight_batches=len(slot.in_flight),
-        deaths=len(slot.deaths),
+        deaths=len(slot.backoff.deaths),
     )

@@ -123,8 +123,7 @@ class StatsRecorder:
         self.bubble_us = SampleWindow(TIME_US_BOUNDS)
 
     def record_result(self, submitted_ns: int, forward_start_ns: int, finished_ns: int) -> None:
-        """A request's result reached its caller."""
-        self.completed += 1
+        """A request's result reached its caller (`completed` is counted by the caller)."""
         self.queue_us.add((forward_start_ns - submitted_ns) / 1e3)
         self.ttft_us.add((finished_ns - submitted_ns) / 1e3)
 
