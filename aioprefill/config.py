@@ -175,6 +175,9 @@ class EngineConfig:
     start_method: str | None = None
     # On a clean exit from `async with`, wait this long for accepted requests to finish.
     shutdown_timeout_s: float = 30.0
+    # Shared memory that KV exports (return_kv=True) may hold: requests in flight plus handles
+    # not yet closed. Past it, return_kv requests raise KVBudgetExceeded.
+    max_kv_export_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         _require(
@@ -220,6 +223,7 @@ class EngineConfig:
             f"must be None, 'spawn' or 'forkserver' (never 'fork'); got {self.start_method!r}",
         )
         _finite_nonneg(self.shutdown_timeout_s, "EngineConfig.shutdown_timeout_s")
+        _positive_int(self.max_kv_export_bytes, "EngineConfig.max_kv_export_bytes", allow_zero=True)
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(

@@ -5,6 +5,7 @@ AioprefillError
 ├── InvalidRequest(ValueError)        a prompt was refused before anything was queued
 │   └── InvalidRequestType(TypeError) ... because of its type (not a list/1-D int array)
 ├── EngineOverloaded                  max_pending requests already wait
+│   └── KVBudgetExceeded              open KV exports fill max_kv_export_bytes
 ├── EngineClosed(RuntimeError)        the engine is closing or closed
 ├── WorkerCrashed                     the worker running the request died (after retries)
 ├── WorkerStartFailed                 a worker could not start (or keeps dying)
@@ -24,6 +25,7 @@ __all__ = [
     "InvalidConfig",
     "InvalidRequest",
     "InvalidRequestType",
+    "KVBudgetExceeded",
     "ProtocolError",
     "WorkerCrashed",
     "WorkerStartFailed",
@@ -48,6 +50,10 @@ class InvalidRequestType(InvalidRequest, TypeError):
 
 class EngineOverloaded(AioprefillError):
     """`max_pending` requests are already waiting; retry later or use `wait=True`."""
+
+
+class KVBudgetExceeded(EngineOverloaded):
+    """A `return_kv` request would pass `max_kv_export_bytes`: close some `KVExport`s first."""
 
 
 class EngineClosed(AioprefillError, RuntimeError):

@@ -1,0 +1,259 @@
+"""KV export: a prompt's keys and values in a shared-memory segment the worker writes.
+
+With `return_kv=True` the engine names a segment for the request (`aioprefill-{engine pid}-
+{16 random hex}-kv.{engine tag}`), the worker creates it (0600) when the prompt's last chunk
+runs and writes every layer's K and V straight into it, and the result carries a `KVExport`
+handle: zero-copy NumPy views, `close()` / `with`. Nothing of it crosses the result ring.
+
+Segment layout (C order, the model's dtype, no header; docs/kv-export.md):
+
+    offset 0:          keys   [num_layers, num_kv_heads, num_tokens, head_dim]
+    offset nbytes / 2: values [num_layers, num_kv_heads, num_tokens, head_dim]
+
+Keys are after RoPE, in Hugging Face's rotate-half head_dim order; KV head `g` serves query
+heads `g*group .. g*group + group - 1` (HF `repeat_kv`). bfloat16 is exposed as uint16 bits.
+
+Ownership follows the rings (`aioprefill.shm.segments`): the engine registers an export with
+its resource tracker once the worker reports it written, so the tracker unlinks it if the
+engine process dies; `close()`, `Engine.close()` and a failed or cancelled request unlink it;
+names carry the engine's pid, so an engine start removes those of a SIGKILLed engine. Open
+exports and requests in flight count against `EngineConfig.max_kv_export_bytes`.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import contextlib
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from typing import Any
+
+import numpy as np
+
+from aioprefill.config import ModelSpec, PaddleModel
+from aioprefill.errors import EngineClosed, InvalidRequest, KVBudgetExceeded
+from aioprefill.shm.segments import SHM_DIR, attach_segment, create_segment, segment_name
+
+__all__ = ["KVExport", "KVExports", "KVLayout", "KVSegmentWriter", "KVTicket", "kv_layout"]
+
+_NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """The per-token shape of a model's KV export."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # the model's: "float32" | "float16" | "bfloat16"
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(_NUMPY_DTYPE[self.dtype])
+
+    def shape(self, num_tokens: int) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_kv_heads, num_tokens, self.head_dim)
+
+    def nbytes(self, num_tokens: int) -> int:
+        """Bytes of keys and values together for a prompt of `num_tokens`."""
+        per = self.num_layers * self.num_kv_heads * self.head_dim * self.numpy_dtype.itemsize
+        return 2 * per * num_tokens
+
+    def views(self, buffer: Any, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, values) arrays over a segment's buffer."""
+        count = self.nbytes(num_tokens) // 2 // self.numpy_dtype.itemsize
+        shape = self.shape(num_tokens)
+        dt = self.numpy_dtype
+        keys = np.frombuffer(buffer, dtype=dt, count=count).reshape(shape)
+        values = np.frombuffer(buffer, dtype=dt, count=count, offset=count * dt.itemsize)
+        return keys, values.reshape(shape)
+
+
+# SimModel's synthetic KV (and embedding) sizes: small, so tests and the bench move real bytes.
+SIM_KV_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
+
+
+def kv_layout(model: ModelSpec) -> KVLayout:
+    if isinstance(model, PaddleModel):
+        return KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+    return SIM_KV_LAYOUT
+
+
+class KVSegmentWriter:
+    """Worker side: create the named segment (0600, untracked) and expose writable views."""
+
+    _mm: mmap.mmap | None = None
+
+    def __init__(self, name: str, layout: KVLayout, num_tokens: int) -> None:
+        self.name = name
+        size = layout.nbytes(num_tokens)
+        try:
+            self._mm = create_segment(name, size, track=False, prefault=False)
+        except FileExistsError:
+            # Left by a worker that died writing this request's export before a retry.
+            _remove(name)
+            self._mm = create_segment(name, size, track=False, prefault=False)
+        self.keys, self.values = layout.views(self._mm, num_tokens)
+
+    def close(self) -> None:
+        """Unmap (the segment stays for the engine)."""
+        self.keys = self.values = None  # type: ignore[assignment]
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    def discard(self) -> None:
+        """Unmap and remove: the forward failed after the segment was created."""
+        self.close()
+        _remove(self.name)
+
+
+def _remove(name: str) -> None:
+    """Unlink a segment the resource tracker does not know about."""
+    with contextlib.suppress(FileNotFoundError):
+        _posixshmem.shm_unlink("/" + name)
+
+
+@dataclass(slots=True, eq=False)
+class KVTicket:
+    """A request's claim on the KV budget, from admission until its handle closes."""
+
+    name: str
+    nbytes: int
+    num_tokens: int
+    state: str = "reserved"  # -> "open" (a handle owns it) -> "released"
+
+
+class KVExport:
+    """A prompt's exported keys and values. `with r.kv as kv: kv.keys, kv.values`.
+
+    `keys` / `values` are read-only zero-copy views `[num_layers, num_kv_heads, num_tokens,
+    head_dim]` over the segment, mapped on first use. `close()` unlinks the segment and returns
+    its bytes to the engine's budget; arrays still held after it stay readable (the mapping
+    lives until they are dropped) but the name is gone. Closing twice is a no-op.
+    """
+
+    _mm: mmap.mmap | None = None
+    _keys: np.ndarray | None = None
+    _values: np.ndarray | None = None
+
+    def __init__(self, ticket: KVTicket, layout: KVLayout, ledger: KVExports) -> None:
+        self._ticket = ticket
+        self._ledger = ledger
+        self.layout = layout
+        self.name = ticket.name
+        self.nbytes = ticket.nbytes
+        self.num_tokens = ticket.num_tokens
+        self.shape = layout.shape(ticket.num_tokens)
+        self.dtype = layout.dtype
+
+    @property
+    def closed(self) -> bool:
+        return self._ticket.state != "open"
+
+    def _map(self) -> None:
+        if self.closed:
+            raise EngineClosed(f"KV export {self.name} is closed")
+        if self._mm is None:
+            self._mm = attach_segment(self.name)
+            keys, values = self.layout.views(self._mm, self.num_tokens)
+            keys.flags.writeable = False
+            values.flags.writeable = False
+            self._keys, self._values = keys, values
+
+    @property
+    def keys(self) -> np.ndarray:
+        self._map()
+        assert self._keys is not None
+        return self._keys
+
+    @property
+    def values(self) -> np.ndarray:
+        self._map()
+        assert self._values is not None
+        return self._values
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self._keys = self._values = None
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):  # the caller still holds arrays
+                self._mm.close()
+            self._mm = None
+        self._ledger.release(self._ticket)
+
+    def __enter__(self) -> KVExport:
+        self._map()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<KVExport {self.name} {self.shape} {self.dtype} {state}>"
+
+
+class KVExports:
+    """The engine's ledger of KV exports: bytes of requests in flight plus open handles."""
+
+    def __init__(self, model: ModelSpec, max_bytes: int) -> None:
+        self.layout = kv_layout(model)
+        self.max_bytes = max_bytes
+        self.used_bytes = 0
+        self._open: dict[str, KVExport] = {}
+        self._tag = f"kv.{secrets.token_hex(4)}"  # this engine's exports, among the process's
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    def reserve(self, num_tokens: int) -> KVTicket:
+        """Claim budget for a `return_kv` request; raises before anything is queued."""
+        nbytes = self.layout.nbytes(num_tokens)
+        if nbytes > self.max_bytes:
+            raise InvalidRequest(
+                f"the KV export of a {num_tokens}-token prompt takes {nbytes} bytes, more than "
+                f"max_kv_export_bytes={self.max_bytes}"
+            )
+        if self.used_bytes + nbytes > self.max_bytes:
+            raise KVBudgetExceeded(
+                f"KV exports hold {self.used_bytes} of max_kv_export_bytes={self.max_bytes} "
+                f"bytes; this one needs {nbytes}: close() some exports"
+            )
+        self.used_bytes += nbytes
+        return KVTicket(segment_name(self._tag), nbytes, num_tokens)
+
+    def open(self, ticket: KVTicket) -> KVExport:
+        """The worker wrote the segment: hand the caller its handle (tracked from now on)."""
+        resource_tracker.register("/" + ticket.name, "shared_memory")
+        ticket.state = "open"
+        handle = KVExport(ticket, self.layout, self)
+        self._open[ticket.name] = handle
+        return handle
+
+    def release(self, ticket: KVTicket) -> None:
+        """Give the bytes back and remove the segment (if the worker made it). Idempotent."""
+        if ticket.state == "released":
+            return
+        if ticket.state == "open":
+            self._open.pop(ticket.name, None)
+            resource_tracker.unregister("/" + ticket.name, "shared_memory")
+        ticket.state = "released"
+        self.used_bytes -= ticket.nbytes
+        _remove(ticket.name)
+
+    def close_all(self) -> None:
+        """Engine close: every open handle closes, and any segment a dead worker left goes."""
+        for handle in list(self._open.values()):
+            handle.close()
+        prefix = f"aioprefill-{os.getpid()}-"
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(SHM_DIR):
+                if entry.name.startswith(prefix) and entry.name.endswith("-" + self._tag):
+                    _remove(entry.name)
