@@ -7,6 +7,7 @@ AioprefillError
 ├── EngineOverloaded                  max_pending requests already wait
 │   └── KVBudgetExceeded              open KV exports fill max_kv_export_bytes
 ├── EngineClosed(RuntimeError)        the engine is closing or closed
+├── KVExportClosed(ValueError)        a KV export handle was used after close()
 ├── WorkerCrashed                     the worker running the request died (after retries)
 ├── WorkerStartFailed                 a worker could not start (or keeps dying)
 ├── ForwardFailed(RuntimeError)       the model raised inside a forward; carries its message
@@ -26,6 +27,7 @@ __all__ = [
     "InvalidRequest",
     "InvalidRequestType",
     "KVBudgetExceeded",
+    "KVExportClosed",
     "ProtocolError",
     "WorkerCrashed",
     "WorkerStartFailed",
@@ -58,6 +60,10 @@ class KVBudgetExceeded(EngineOverloaded):
 
 class EngineClosed(AioprefillError, RuntimeError):
     """The engine is closing or closed; it never reopens."""
+
+
+class KVExportClosed(AioprefillError, ValueError):
+    """A `KVExport` was read after `close()` (or after its engine closed)."""
 
 
 class WorkerCrashed(AioprefillError):

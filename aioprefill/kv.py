@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from aioprefill.config import ModelSpec, PaddleModel
-from aioprefill.errors import EngineClosed, InvalidRequest, KVBudgetExceeded
+from aioprefill.errors import InvalidRequest, KVBudgetExceeded, KVExportClosed
 from aioprefill.shm.segments import SHM_DIR, attach_segment, create_segment, segment_name
 
 __all__ = ["KVExport", "KVExports", "KVLayout", "KVSegmentWriter", "KVTicket", "kv_layout"]
@@ -157,7 +157,7 @@ class KVExport:
 
     def _map(self) -> None:
         if self.closed:
-            raise EngineClosed(f"KV export {self.name} is closed")
+            raise KVExportClosed(f"KV export {self.name} is closed")
         if self._mm is None:
             self._mm = attach_segment(self.name)
             keys, values = self.layout.views(self._mm, self.num_tokens)
@@ -247,6 +247,18 @@ class KVExports:
         ticket.state = "released"
         self.used_bytes -= ticket.nbytes
         _remove(ticket.name)
+
+    def discard(self, ticket: KVTicket) -> None:
+        """The request ended without a handle (failed, cancelled): release it, and remove its
+        segment even if the worker wrote it after an earlier release."""
+        self.release(ticket)
+        _remove(ticket.name)
+
+    def settle(self, ticket: KVTicket, future: Any) -> None:
+        """Done-callback (partial on the ticket) of a `return_kv` request's future: when it
+        ended without a handle (failed, cancelled), the reservation and any segment go."""
+        if ticket.state == "reserved" or future.cancelled() or future.exception() is not None:
+            self.discard(ticket)
 
     def close_all(self) -> None:
         """Engine close: every open handle closes, and any segment a dead worker left goes."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import itertools
 import logging
 import time
@@ -35,6 +36,8 @@ from aioprefill.errors import (
     WorkerCrashed,
     WorkerStartFailed,
 )
+from aioprefill.kv import KVExports
+from aioprefill.outputs import ResultColumns, option_columns, parse_outputs, unspill
 from aioprefill.policy import (
     Budget,
     Chunk,
@@ -44,7 +47,13 @@ from aioprefill.policy import (
     least_loaded,
     take_batch,
 )
-from aioprefill.protocol import FLAG_FIRST_CHUNK, FLAG_LAST_CHUNK, BatchFailed, BatchResult
+from aioprefill.protocol import (
+    FLAG_FIRST_CHUNK,
+    FLAG_LAST_CHUNK,
+    BatchFailed,
+    BatchResult,
+    Spilled,
+)
 from aioprefill.result import PrefillResult
 from aioprefill.shm.segments import cleanup_stale_segments
 from aioprefill.stats import EngineStats, StatsRecorder
@@ -99,6 +108,7 @@ class Engine:
         self._restart_tasks: set[asyncio.Task[None]] = set()
         self._broken: AioprefillError | None = None
         self._stats = StatsRecorder()
+        self._kv = KVExports(config.model, config.max_kv_export_bytes)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -170,6 +180,7 @@ class Engine:
                 with contextlib.suppress(Exception):
                     w.handle.inbox.send_nowait(protocol.encode(protocol.Shutdown()))
         await self._reap_workers(timeout=5.0)
+        self._kv.close_all()
         if self._timeout_timer is not None:
             self._timeout_timer.cancel()
         self._state = _State.CLOSED
@@ -195,15 +206,39 @@ class Engine:
 
     # ---- public API ----------------------------------------------------------------------
 
-    async def prefill(self, tokens: Any, *, wait: bool = False) -> PrefillResult:
+    async def prefill(
+        self,
+        tokens: Any,
+        *,
+        wait: bool = False,
+        prompt_logprobs: bool = False,
+        top_k: int = 0,
+        embed: str | None = None,
+        normalize: bool = False,
+        return_kv: bool = False,
+    ) -> PrefillResult:
         """Run the prefill of one prompt; return its greedy next token and timings.
 
-        Raises `InvalidRequest` for a bad prompt and, past `max_pending` waiting requests,
-        `EngineOverloaded` — or, with `wait=True`, waits for room instead.
+        Output options (each computed only for the requests that ask): `prompt_logprobs`
+        (float32[n-1]), `top_k` alternatives at the last position, `embed="last"|"mean"`
+        (final-norm hidden state; `normalize=True` for unit L2 norm), `return_kv` (a
+        `KVExport` handle on `result.kv`: close it when done; see docs/kv-export.md).
+
+        Raises `InvalidRequest` for a bad prompt or option and, past `max_pending` waiting
+        requests, `EngineOverloaded` — or, with `wait=True`, waits for room instead;
+        `KVBudgetExceeded` when open KV exports fill `max_kv_export_bytes`.
         """
         submitted_ns = time.monotonic_ns()  # TTFT counts any wait for room below
         self._check_open()
         prompt = validate_prompt(tokens, self._vocab_size, self.config.max_prompt_tokens or 0)
+        outputs = parse_outputs(
+            prompt_logprobs=prompt_logprobs,
+            top_k=top_k,
+            embed=embed,
+            normalize=normalize,
+            return_kv=return_kv,
+            vocab_size=self._vocab_size,
+        )
         if self._num_pending >= self.config.max_pending:
             if not wait:
                 self._stats.rejected += 1
@@ -214,11 +249,15 @@ class Engine:
             await self._wait_for_room()
         assert self._loop is not None
         future: asyncio.Future[PrefillResult] = self._loop.create_future()
+        if outputs is not None and return_kv:
+            outputs.kv = self._kv.reserve(len(prompt) >> 2)  # KVBudgetExceeded: nothing queued
+            future.add_done_callback(functools.partial(self._kv.settle, outputs.kv))
         req = Request(
             request_id=next(self._ids),
             tokens=prompt,
             submitted_ns=submitted_ns,
             handle=future,
+            outputs=outputs,
         )
         if not (
             self._use_staging and not self._pending and self._staged.try_add(req, self._budget)
@@ -331,7 +370,8 @@ class Engine:
     def _send_staged(self, w: WorkerSlot, *, backlogged: bool) -> bool:
         """Send the staged batch: its columns are ready, so this is O(1) Python work."""
         staged = self._staged
-        sent = self._write_batch(w, staged.ids, staged.token_parts, None, None)
+        options = option_columns([r.outputs for r in staged.requests])
+        sent = self._write_batch(w, staged.ids, staged.token_parts, None, None, options)
         if sent is None:
             return False
         batch_id, now = sent
@@ -443,6 +483,7 @@ class Engine:
                 (FLAG_FIRST_CHUNK if c.start == 0 else 0) | (FLAG_LAST_CHUNK if c.is_last else 0)
                 for c in chunks
             ],
+            option_columns([c.request.outputs for c in chunks]),
         )
         if sent is None:
             return False
@@ -459,13 +500,14 @@ class Engine:
         token_parts: list[bytes],
         start_pos: list[int] | None,
         flags: list[int] | None,
+        options: tuple[bytes, bytes, list[str]] | None = None,
     ) -> tuple[int, int] | None:
         """Pack one PrefillBatch into `w`'s ring: (batch id, sent ns), or None if it is full."""
         assert w.handle is not None and w.handle.inbox is not None
         batch_id = next(self._batch_ids)
         now = time.monotonic_ns()
         msg = protocol.make_prefill_batch(
-            batch_id, request_ids, token_parts, start_pos, flags, w.free_ids, now
+            batch_id, request_ids, token_parts, start_pos, flags, w.free_ids, now, options
         )
         if not w.handle.inbox.send_nowait(protocol.encode_into(msg, self._encode_buffer)):
             w.ring_full = True
@@ -556,6 +598,13 @@ class Engine:
                 continue
             finally:
                 outbox.release()
+            if isinstance(msg, Spilled):  # a result too big for the ring
+                try:
+                    msg = unspill(msg)
+                except ProtocolError as exc:
+                    self._stats.protocol_errors += 1
+                    log.warning("worker %d: %s", w.index, exc)
+                    msg = BatchFailed(msg.batch_id, 0, 0, "ProtocolError", str(exc))
             if isinstance(msg, (BatchResult, BatchFailed)):
                 self._on_batch_done(w, msg)
             else:
@@ -596,14 +645,29 @@ class Engine:
     def _resolve_batch(self, w: WorkerSlot, batch: InFlightBatch, msg: BatchResult) -> None:
         try:
             ids, tokens, logprobs = msg.arrays()
+            columns = ResultColumns(msg, self._kv)
+            extras = [
+                {}
+                if c.request.outputs is None
+                else columns.chunk(
+                    c.request.outputs,
+                    c.start,
+                    c.end,
+                    last=c.is_last,
+                    alive=not c.request.handle.done(),
+                )
+                for c in batch.chunks
+            ]
         except ProtocolError as exc:
             self._stats.protocol_errors += 1
-            self._fail_requests([c.request for c in batch.chunks if c.is_last], exc)
+            self._fail_requests([c.request for c in batch.chunks], exc)
             return
+        if not columns.check_consumed():
+            self._stats.protocol_errors += 1
         finished_ns = time.monotonic_ns()
         k = 0
         size = len(batch.chunks)
-        for c in batch.chunks:
+        for c, extra in zip(batch.chunks, extras, strict=True):
             if not c.is_last:
                 continue
             req = c.request
@@ -632,6 +696,7 @@ class Engine:
                         forward_start_ns=msg.forward_start_ns,
                         forward_end_ns=msg.forward_end_ns,
                         finished_ns=finished_ns,
+                        **extra,
                     )
                 )
                 self._stats.completed += 1

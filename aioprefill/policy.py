@@ -54,6 +54,7 @@ class Request:
     cancelled: bool = False
     num_chunks: int = 0
     attempts: int = 0
+    outputs: Any = None  # aioprefill.outputs.Outputs, when the caller asked for more than a token
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -217,7 +217,7 @@ def test_kv_export_of_a_failed_forward_is_removed() -> None:
     with pytest.raises(ValueError):
         r.forward(bad)  # refused before the segment exists
     good = batch([np.array([1, 2, 3, 4])], [KV], kv_names=(ticket.name,))
-    r._layers = r._layers[:1] + [None]  # type: ignore[list-item]  # the forward fails part-way
+    r._layers = [*r._layers[:1], None]  # type: ignore[list-item]  # the forward fails part-way
     with pytest.raises(AttributeError):
         r.forward(good)
     from pathlib import Path
