@@ -235,7 +235,9 @@ class EngineConfig:
 
     def min_ring_capacity(self) -> int:
         """Bytes one full batch frame can take: int32 tokens + per-request columns + slack."""
-        per_request = 8 + 4 + 4 + 4 + 1  # request id, offset, start position, prompt length, flags
+        # request id, offset, start position, prompt length, flags; output options, top_k and
+        # a KV export's segment name (~50 bytes of msgpack str) when a request asks for them.
+        per_request = 8 + 4 + 4 + 4 + 1 + 1 + 4 + 64
         return 4 * self.max_batch_tokens + per_request * (self.max_batch_size + 1) + 4096
 
     def effective_ring_capacity(self) -> int:

@@ -604,7 +604,8 @@ class Engine:
                 except ProtocolError as exc:
                     self._stats.protocol_errors += 1
                     log.warning("worker %d: %s", w.index, exc)
-                    msg = BatchFailed(msg.batch_id, 0, 0, "ProtocolError", str(exc))
+                    now = time.monotonic_ns()
+                    msg = BatchFailed(msg.batch_id, now, now, "ProtocolError", str(exc))
             if isinstance(msg, (BatchResult, BatchFailed)):
                 self._on_batch_done(w, msg)
             else:

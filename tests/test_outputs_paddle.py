@@ -39,7 +39,7 @@ async def test_every_option_through_the_engine_matches_the_reference(max_batch_t
                 )
                 for i, p in enumerate(ps)
             ),
-            *(engine.prefill(p + [t], top_k=SMALL.vocab_size) for p, t in zip(ps, ts, strict=True)),
+            *(engine.prefill([*p, t], top_k=SMALL.vocab_size) for p, t in zip(ps, ts, strict=True)),
         )
         assert max(r.batch_size for r in rs) > 1
         if max_batch_tokens == 24:

@@ -167,8 +167,12 @@ class OutputHead:
             return
         for i in np.flatnonzero(batch.has(protocol.OPT_EMBED_MEAN)).tolist():
             a, b = int(offsets[i]), int(offsets[i + 1])
-            rows = host(fused_rms_norm(x[a:b], self._norm, None, self._eps, 1)[0])
-            total = rows.astype(np.float64).sum(axis=0)
+            rows = fused_rms_norm(x[a:b], self._norm, None, self._eps, 1)[0]
+            total: np.ndarray
+            if rows.place.is_cpu_place():  # summed in float64 without a float64 copy
+                total = np.asarray(np.sum(host(rows), axis=0, dtype=np.float64))
+            else:  # on the device: only the sum comes back
+                total = rows.astype("float64").sum(axis=0).numpy()
             rid = rids[i]
             self._sums[rid] = total if rid not in self._sums else self._sums[rid] + total
 
