@@ -36,8 +36,17 @@ import numpy as np
 from aioprefill.config import ModelSpec, PaddleModel
 from aioprefill.errors import InvalidRequest, KVBudgetExceeded, KVExportClosed
 from aioprefill.shm.segments import SHM_DIR, attach_segment, create_segment, segment_name
+from aioprefill.workers.runner import ForwardBatch
 
-__all__ = ["KVExport", "KVExports", "KVLayout", "KVSegmentWriter", "KVTicket", "kv_layout"]
+__all__ = [
+    "KVExport",
+    "KVExports",
+    "KVLayout",
+    "KVSegmentWriter",
+    "KVTicket",
+    "kv_layout",
+    "open_writers",
+]
 
 _NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -110,6 +119,24 @@ class KVSegmentWriter:
         """Unmap and remove: the forward failed after the segment was created."""
         self.close()
         _remove(self.name)
+
+
+def open_writers(batch: ForwardBatch, layout: KVLayout) -> dict[int, KVSegmentWriter]:
+    """Worker side: a writer per request whose *last* chunk is in `batch` and asks for its KV
+    (by batch index), each sized for the whole prompt. On failure none is left behind."""
+    writers: dict[int, KVSegmentWriter] = {}
+    if not batch.kv_names:
+        return writers
+    lens = batch.seq_lens()
+    try:
+        for i, name in batch.kv_name_of().items():
+            if batch.is_last[i]:
+                writers[i] = KVSegmentWriter(name, layout, int(batch.start_pos[i] + lens[i]))
+    except BaseException:
+        for writer in writers.values():
+            writer.discard()
+        raise
+    return writers
 
 
 def _remove(name: str) -> None:

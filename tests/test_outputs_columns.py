@@ -115,3 +115,17 @@ def test_short_or_extra_result_columns_are_caught():
     assert not extra.check_consumed()
     with pytest.raises(ProtocolError):
         ResultColumns(result(top_k_ids=b"\0" * 4), None)  # ids without logprobs
+
+
+def test_contract_names_of_the_second_round():
+    """The names ../shared/DESIGN.md fixes for outside checks."""
+    import inspect
+
+    import aioprefill
+
+    fields = set(aioprefill.PrefillResult.__struct_fields__)
+    assert {"prompt_logprobs", "top_k_ids", "top_k_logprobs", "embedding", "kv"} <= fields
+    params = inspect.signature(aioprefill.Engine.prefill).parameters
+    for name in ("prompt_logprobs", "top_k", "embed", "normalize", "return_kv"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+    assert issubclass(aioprefill.errors.KVBudgetExceeded, aioprefill.EngineOverloaded)

@@ -46,7 +46,7 @@ from paddle.incubate.nn.functional import fused_rms_norm  # noqa: E402
 
 from aioprefill.config import PaddleModel  # noqa: E402
 from aioprefill.errors import InvalidConfig  # noqa: E402
-from aioprefill.kv import KVSegmentWriter, kv_layout  # noqa: E402
+from aioprefill.kv import KVSegmentWriter, kv_layout, open_writers  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402
@@ -264,7 +264,7 @@ class PaddleRunner:
             for rid, start in zip(request_ids, batch.start_pos.tolist(), strict=True)
         ]
         bounds = list(itertools.pairwise(offsets.tolist()))
-        exports = self._exports = self._open_exports(batch, lens)
+        exports = self._exports = open_writers(batch, kv_layout(spec))
         eps = spec.rms_norm_eps
         for index, layer in enumerate(self._layers):
             h = fused_rms_norm(x, layer.in_norm, None, eps, 1)[0]
@@ -297,22 +297,6 @@ class PaddleRunner:
         for writer in exports.values():
             writer.close()
         return out
-
-    def _open_exports(self, batch: ForwardBatch, lens: np.ndarray) -> dict[int, KVSegmentWriter]:
-        """A segment writer per request whose last chunk asks for its KV (by batch index)."""
-        exports: dict[int, KVSegmentWriter] = {}
-        if not batch.kv_names:
-            return exports
-        layout = kv_layout(self.spec)
-        try:
-            for i, name in batch.kv_name_of().items():
-                if batch.is_last[i]:
-                    exports[i] = KVSegmentWriter(name, layout, int(batch.start_pos[i] + lens[i]))
-        except BaseException:
-            for writer in exports.values():
-                writer.discard()
-            raise
-        return exports
 
     def _head(self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray) -> ForwardOutput:
         """Greedy token and log-probability of each finished request, plus the outputs its

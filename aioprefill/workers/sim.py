@@ -22,7 +22,7 @@ import numpy as np
 
 from aioprefill import protocol
 from aioprefill.config import SimModel
-from aioprefill.kv import SIM_KV_LAYOUT, KVSegmentWriter
+from aioprefill.kv import SIM_KV_LAYOUT, open_writers
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 __all__ = [
@@ -139,8 +139,7 @@ class SimRunner:
         top_ids, top_lps, plps, embeds = [], [], [], []
         options = batch.options
         top_k = batch.top_k_of()
-        kv_names = iter(batch.kv_names)
-        writers: list[KVSegmentWriter] = []
+        writers = open_writers(batch, SIM_KV_LAYOUT)
         offsets = batch.offsets
         try:
             for i in range(batch.size):
@@ -176,15 +175,14 @@ class SimRunner:
                 if vectors is not None and state.embed_sum is not None:
                     n = start + len(chunk)
                     embeds.append(_pool(state.embed_sum, vectors[-1], n, opts))
-                if opts & protocol.OPT_RETURN_KV:
-                    writer = KVSegmentWriter(next(kv_names), SIM_KV_LAYOUT, start + len(chunk))
-                    writers.append(writer)
-                    writer.keys[...], writer.values[...] = sim_kv(np.concatenate(state.tokens))
+                if i in writers:
+                    keys, values = sim_kv(np.concatenate(state.tokens))
+                    writers[i].keys[...], writers[i].values[...] = keys, values
         except BaseException:
-            for w in writers:
+            for w in writers.values():
                 w.discard()
             raise
-        for w in writers:
+        for w in writers.values():
             w.close()
         return ForwardOutput(
             request_ids=np.asarray(ids, dtype=np.int64),
