@@ -37,7 +37,7 @@ from aioprefill.errors import (
     WorkerStartFailed,
 )
 from aioprefill.kv import KVExports
-from aioprefill.outputs import ResultColumns, option_columns, parse_outputs, unspill
+from aioprefill.outputs import option_columns, parse_outputs, read_outputs, unspill
 from aioprefill.policy import (
     Budget,
     Chunk,
@@ -646,25 +646,15 @@ class Engine:
     def _resolve_batch(self, w: WorkerSlot, batch: InFlightBatch, msg: BatchResult) -> None:
         try:
             ids, tokens, logprobs = msg.arrays()
-            columns = ResultColumns(msg, self._kv)
-            extras = [
-                {}
-                if c.request.outputs is None
-                else columns.chunk(
-                    c.request.outputs,
-                    c.start,
-                    c.end,
-                    last=c.is_last,
-                    alive=not c.request.handle.done(),
-                )
-                for c in batch.chunks
-            ]
+            extras = read_outputs(msg, batch.chunks, self._kv)
         except ProtocolError as exc:
             self._stats.protocol_errors += 1
-            self._fail_requests([c.request for c in batch.chunks], exc)
+            # A chunked prompt that asked for outputs lost this chunk's share: it fails too,
+            # and the worker drops its KV cache.
+            broken = [c for c in batch.chunks if not c.is_last and c.request.outputs is not None]
+            w.free_ids.extend(c.request.request_id for c in broken)
+            self._fail_requests([c.request for c in batch.chunks if c.is_last or c in broken], exc)
             return
-        if not columns.check_consumed():
-            self._stats.protocol_errors += 1
         finished_ns = time.monotonic_ns()
         k = 0
         size = len(batch.chunks)

@@ -23,7 +23,14 @@ from aioprefill.kv import KVExports, KVTicket
 from aioprefill.protocol import BatchResult, Spilled
 from aioprefill.shm.spill import read_spilled
 
-__all__ = ["Outputs", "ResultColumns", "option_columns", "parse_outputs", "unspill"]
+__all__ = [
+    "Outputs",
+    "ResultColumns",
+    "option_columns",
+    "parse_outputs",
+    "read_outputs",
+    "unspill",
+]
 
 EMBED_MODES = {None: 0, "last": protocol.OPT_EMBED_LAST, "mean": protocol.OPT_EMBED_MEAN}
 
@@ -157,3 +164,26 @@ class ResultColumns:
     def check_consumed(self) -> bool:
         """Whether every value was claimed by a chunk (else the worker and engine disagree)."""
         return self._at == [len(self._ids), len(self._plp), len(self._emb)]
+
+
+def read_outputs(msg: BatchResult, chunks: list[Any], ledger: KVExports) -> list[dict[str, Any]]:
+    """PrefillResult fields per chunk of the batch (`policy.Chunk`s, batch order); empty dicts
+    and no work at all when none of its requests asked for an option. Raises ProtocolError when
+    the columns disagree with what was asked."""
+    if not any(c.request.outputs for c in chunks):
+        return [_NONE] * len(chunks)
+    columns = ResultColumns(msg, ledger)
+    fields = [
+        _NONE
+        if c.request.outputs is None
+        else columns.chunk(
+            c.request.outputs, c.start, c.end, last=c.is_last, alive=not c.request.handle.done()
+        )
+        for c in chunks
+    ]
+    if not columns.check_consumed():
+        raise ProtocolError("BatchResult has output values nobody asked for")
+    return fields
+
+
+_NONE: dict[str, Any] = {}

@@ -13,6 +13,9 @@ b. KV export of a 4096-token prompt (16 MiB): the forward with and without `retu
    fresh shared-memory segment (first touch), and the caller's side (attach + read it all).
 c. The log-softmax over 32000 logits: paddle's float32 sum (before) vs the float64-accumulated
    NumPy sum (now), time and worst error against an exact float64 log-sum-exp.
+d. Through the engine (one Paddle worker process, rings, result columns, the KV handle): one
+   request at a time, `prompt_logprobs` on 512 tokens and `return_kv` (read, then closed) on
+   4096 tokens, each against the plain request, time from `prefill()` to its result.
 
 Times are medians over `--repeats` runs, wall ms (and process CPU ms where it matters); on a
 shared machine quote the ratios, each measured side by side in one run.
@@ -204,6 +207,46 @@ def section_c(repeats: int) -> None:
         print(f"{rows:5d} {o:8.2f} {n:8.2f} {n / o:6.2f} {e_old:9.1e} {e_new:9.1e}")
 
 
+def section_d(repeats: int, kv_tokens: int) -> None:
+    import asyncio
+
+    from aioprefill import Engine, EngineConfig
+
+    print("\nd. through the engine: wall ms per request, one at a time")
+    rng = np.random.default_rng(1)
+    p512 = rng.integers(0, 32000, 512).tolist()
+    pkv = rng.integers(0, 32000, kv_tokens).tolist()
+
+    async def run() -> dict[str, float]:
+        config = EngineConfig(model=PaddleModel(seed=0, device="cpu"), max_batch_tokens=8192)
+        async with Engine(config) as engine:
+
+            async def kv() -> None:
+                r = await engine.prefill(pkv, return_kv=True)
+                with r.kv as handle:
+                    float(handle.keys[-1, -1, -1, -1])
+
+            cases = {
+                "512 plain": lambda: engine.prefill(p512),
+                "512 prompt_logprobs": lambda: engine.prefill(p512, prompt_logprobs=True),
+                f"{kv_tokens} plain": lambda: engine.prefill(pkv),
+                f"{kv_tokens} return_kv": kv,
+            }
+            samples: dict[str, list[float]] = {k: [] for k in cases}
+            for rep in range(repeats + 1):
+                for name, case in cases.items():
+                    t = time.perf_counter()
+                    await case()
+                    if rep:  # the first round warms up
+                        samples[name].append((time.perf_counter() - t) * 1e3)
+            return {k: statistics.median(v) for k, v in samples.items()}
+
+    t = asyncio.run(run())
+    names = list(t)
+    for base, opt in ((names[0], names[1]), (names[2], names[3])):
+        print(f"{opt:<22} {t[opt]:8.1f} ms vs {t[base]:8.1f} ms plain: x{t[opt] / t[base]:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -219,6 +262,7 @@ def main() -> None:
     section_a(runner, rng, repeats)
     section_b(runner, spec, rng, repeats, 1024 if args.quick else 4096)
     section_c(repeats)
+    section_d(repeats, 1024 if args.quick else 4096)
 
 
 if __name__ == "__main__":
