@@ -136,9 +136,9 @@ def test_a_caller_that_dies_holding_exports_leaks_nothing(mode: str):
             proc.stdout.close()
     assert not wait_dead([report["tracker"]], 10)
     if mode == "kill-tracker":
-        assert all((SHM / n).exists() for n in names)  # nobody removed them yet
-        removed = cleanup_stale_segments()
-        assert set(names) <= set(removed)
+        # Nobody removed them: this engine-start sweep must (an engine another test process
+        # starts meanwhile may sweep them first: same uid, same rule).
+        cleanup_stale_segments()
     deadline = time.monotonic() + 10
     while any((SHM / n).exists() for n in names) and time.monotonic() < deadline:
         time.sleep(0.05)  # the tracker unlinks right after it exits... or just before
