@@ -143,3 +143,21 @@ def test_a_caller_that_dies_holding_exports_leaks_nothing(mode: str):
     while any((SHM / n).exists() for n in names) and time.monotonic() < deadline:
         time.sleep(0.05)  # the tracker unlinks right after it exits... or just before
     assert not any((SHM / n).exists() for n in names)
+
+
+def test_a_retry_replaces_the_half_written_export_of_a_dead_worker():
+    """The engine keeps a request's segment name across retries: a worker that died part-way
+    through writing leaves the segment behind, and the retry's writer replaces it."""
+    from aioprefill.kv import KVExports, KVSegmentWriter
+
+    ledger = KVExports(sim(), 1 << 20)
+    ticket = ledger.reserve(4)
+    dead = KVSegmentWriter(ticket.name, SIM_KV_LAYOUT, 4)
+    dead.keys[...] = 7.0
+    dead.close()  # as if its process died here: the segment stays
+    retry = KVSegmentWriter(ticket.name, SIM_KV_LAYOUT, 4)
+    retry.keys[...], retry.values[...] = sim_kv([1, 2, 3, 4])
+    retry.close()
+    with ledger.open(ticket) as kv:
+        assert np.array_equal(kv.keys, sim_kv([1, 2, 3, 4])[0])
+    assert not (SHM / ticket.name).exists() and ledger.used_bytes == 0
