@@ -15,9 +15,11 @@ heads `g*group .. g*group + group - 1` (HF `repeat_kv`). bfloat16 is exposed as 
 
 Ownership follows the rings (`aioprefill.shm.segments`): the engine registers an export with
 its resource tracker once the worker reports it written, so the tracker unlinks it if the
-engine process dies; `close()`, `Engine.close()` and a failed or cancelled request unlink it;
-names carry the engine's pid, so an engine start removes those of a SIGKILLed engine. Open
-exports and requests in flight count against `EngineConfig.max_kv_export_bytes`.
+engine process dies; a failed or cancelled request and `Engine.close()` unlink it; names carry
+the engine's pid, so an engine start removes those of a SIGKILLed engine. `close()` keeps the
+segment for the engine to hand to a later export (its pages already faulted in), unless the
+caller still holds arrays over it. Requests in flight, open exports and kept segments count
+against `EngineConfig.max_kv_export_bytes`; kept ones are unlinked first when room is needed.
 """
 
 from __future__ import annotations
@@ -35,18 +37,9 @@ import numpy as np
 
 from aioprefill.config import ModelSpec, PaddleModel
 from aioprefill.errors import InvalidRequest, KVBudgetExceeded, KVExportClosed
-from aioprefill.shm.segments import SHM_DIR, attach_segment, create_segment, segment_name
-from aioprefill.workers.runner import ForwardBatch
+from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
 
-__all__ = [
-    "KVExport",
-    "KVExports",
-    "KVLayout",
-    "KVSegmentWriter",
-    "KVTicket",
-    "kv_layout",
-    "open_writers",
-]
+__all__ = ["KVExport", "KVExports", "KVLayout", "KVTicket", "kv_layout"]
 
 _NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -92,53 +85,6 @@ def kv_layout(model: ModelSpec) -> KVLayout:
     return SIM_KV_LAYOUT
 
 
-class KVSegmentWriter:
-    """Worker side: create the named segment (0600, untracked) and expose writable views."""
-
-    _mm: mmap.mmap | None = None
-
-    def __init__(self, name: str, layout: KVLayout, num_tokens: int) -> None:
-        self.name = name
-        size = layout.nbytes(num_tokens)
-        try:
-            self._mm = create_segment(name, size, track=False, prefault=False)
-        except FileExistsError:
-            # Left by a worker that died writing this request's export before a retry.
-            _remove(name)
-            self._mm = create_segment(name, size, track=False, prefault=False)
-        self.keys, self.values = layout.views(self._mm, num_tokens)
-
-    def close(self) -> None:
-        """Unmap (the segment stays for the engine)."""
-        self.keys = self.values = None  # type: ignore[assignment]
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
-
-    def discard(self) -> None:
-        """Unmap and remove: the forward failed after the segment was created."""
-        self.close()
-        _remove(self.name)
-
-
-def open_writers(batch: ForwardBatch, layout: KVLayout) -> dict[int, KVSegmentWriter]:
-    """Worker side: a writer per request whose *last* chunk is in `batch` and asks for its KV
-    (by batch index), each sized for the whole prompt. On failure none is left behind."""
-    writers: dict[int, KVSegmentWriter] = {}
-    if not batch.kv_names:
-        return writers
-    lens = batch.seq_lens()
-    try:
-        for i, name in batch.kv_name_of().items():
-            if batch.is_last[i]:
-                writers[i] = KVSegmentWriter(name, layout, int(batch.start_pos[i] + lens[i]))
-    except BaseException:
-        for writer in writers.values():
-            writer.discard()
-        raise
-    return writers
-
-
 def _remove(name: str) -> None:
     """Unlink a segment the resource tracker does not know about."""
     with contextlib.suppress(FileNotFoundError):
@@ -150,18 +96,20 @@ class KVTicket:
     """A request's claim on the KV budget, from admission until its handle closes."""
 
     name: str
-    nbytes: int
+    nbytes: int  # K and V of this prompt
     num_tokens: int
-    state: str = "reserved"  # -> "open" (a handle owns it) -> "released"
+    capacity: int  # bytes of its segment, counted against the budget (>= nbytes when reused)
+    tracked: bool = False  # registered with the engine's resource tracker
+    state: str = "reserved"  # -> "open" (a handle owns it) -> "pooled" | "released"
 
 
 class KVExport:
     """A prompt's exported keys and values. `with r.kv as kv: kv.keys, kv.values`.
 
     `keys` / `values` are read-only zero-copy views `[num_layers, num_kv_heads, num_tokens,
-    head_dim]` over the segment, mapped on first use. `close()` unlinks the segment and returns
-    its bytes to the engine's budget; arrays still held after it stay readable (the mapping
-    lives until they are dropped) but the name is gone. Closing twice is a no-op.
+    head_dim]` over the segment, mapped on first use. After `close()` the engine may reuse the
+    segment for a later export (arrays still held then keep theirs: such a segment is unlinked,
+    never reused, and stays readable until they are dropped). Closing twice is a no-op.
     """
 
     _mm: mmap.mmap | None = None
@@ -208,11 +156,14 @@ class KVExport:
         if self.closed:
             return
         self._keys = self._values = None
+        reusable = True
         if self._mm is not None:
-            with contextlib.suppress(BufferError):  # the caller still holds arrays
+            try:
                 self._mm.close()
+            except BufferError:  # the caller still holds arrays: never hand these pages out
+                reusable = False
             self._mm = None
-        self._ledger.release(self._ticket)
+        self._ledger.recycle(self._ticket, reusable=reusable)
 
     def __enter__(self) -> KVExport:
         self._map()
@@ -227,18 +178,30 @@ class KVExport:
 
 
 class KVExports:
-    """The engine's ledger of KV exports: bytes of requests in flight plus open handles."""
+    """The engine's ledger of KV exports: the bytes of requests in flight, of open handles, and
+    of closed exports' segments kept for reuse, together at most `max_bytes`.
+
+    Reuse: writing a fresh segment runs at the speed the kernel allocates and zeroes pages
+    (~1 GB/s on the build VM), a warm one at memcpy speed (~10 GB/s). So `close()` keeps the
+    segment (unless the caller still holds arrays over it) and the next `return_kv` request that
+    fits gets its name; kept segments are unlinked first whenever room is needed.
+    """
 
     def __init__(self, model: ModelSpec, max_bytes: int) -> None:
         self.layout = kv_layout(model)
         self.max_bytes = max_bytes
-        self.used_bytes = 0
+        self.used_bytes = 0  # in flight + open + kept
         self._open: dict[str, KVExport] = {}
+        self._pool: list[tuple[str, int]] = []  # (name, capacity): closed, kept for reuse
         self._tag = f"kv.{secrets.token_hex(4)}"  # this engine's exports, among the process's
 
     @property
     def num_open(self) -> int:
         return len(self._open)
+
+    @property
+    def pooled_bytes(self) -> int:
+        return sum(capacity for _, capacity in self._pool)
 
     def reserve(self, num_tokens: int) -> KVTicket:
         """Claim budget for a `return_kv` request; raises before anything is queued."""
@@ -248,36 +211,61 @@ class KVExports:
                 f"the KV export of a {num_tokens}-token prompt takes {nbytes} bytes, more than "
                 f"max_kv_export_bytes={self.max_bytes}"
             )
+        # A kept segment that fits without wasting more than half of itself, smallest first.
+        fits = [(cap, i) for i, (_, cap) in enumerate(self._pool) if nbytes <= cap <= 2 * nbytes]
+        if fits:
+            name, capacity = self._pool.pop(min(fits)[1])
+            return KVTicket(name, nbytes, num_tokens, capacity, tracked=True)
+        while self._pool and self.used_bytes + nbytes > self.max_bytes:
+            self._unlink(*self._pool.pop(0))  # oldest first
         if self.used_bytes + nbytes > self.max_bytes:
             raise KVBudgetExceeded(
                 f"KV exports hold {self.used_bytes} of max_kv_export_bytes={self.max_bytes} "
                 f"bytes; this one needs {nbytes}: close() some exports"
             )
         self.used_bytes += nbytes
-        return KVTicket(segment_name(self._tag), nbytes, num_tokens)
+        return KVTicket(segment_name(self._tag), nbytes, num_tokens, nbytes)
 
     def open(self, ticket: KVTicket) -> KVExport:
         """The worker wrote the segment: hand the caller its handle (tracked from now on)."""
-        resource_tracker.register("/" + ticket.name, "shared_memory")
+        if not ticket.tracked:
+            resource_tracker.register("/" + ticket.name, "shared_memory")
+            ticket.tracked = True
         ticket.state = "open"
         handle = KVExport(ticket, self.layout, self)
         self._open[ticket.name] = handle
         return handle
 
-    def release(self, ticket: KVTicket) -> None:
-        """Give the bytes back and remove the segment (if the worker made it). Idempotent."""
-        if ticket.state == "released":
+    def recycle(self, ticket: KVTicket, *, reusable: bool) -> None:
+        """A handle closed: keep its segment for the next export, or remove it."""
+        if ticket.state != "open":
             return
-        if ticket.state == "open":
-            self._open.pop(ticket.name, None)
-            resource_tracker.unregister("/" + ticket.name, "shared_memory")
+        self._open.pop(ticket.name, None)
+        if reusable:
+            ticket.state = "pooled"
+            self._pool.append((ticket.name, ticket.capacity))
+        else:
+            self.release(ticket)
+
+    def release(self, ticket: KVTicket) -> None:
+        """Give the bytes back and remove the segment (if it exists). Idempotent."""
+        if ticket.state in ("released", "pooled"):
+            return
+        self._open.pop(ticket.name, None)
         ticket.state = "released"
-        self.used_bytes -= ticket.nbytes
-        _remove(ticket.name)
+        self._unlink(ticket.name, ticket.capacity, tracked=ticket.tracked)
+
+    def _unlink(self, name: str, capacity: int, *, tracked: bool = True) -> None:
+        self.used_bytes -= capacity
+        if tracked:
+            resource_tracker.unregister("/" + name, "shared_memory")
+        _remove(name)
 
     def discard(self, ticket: KVTicket) -> None:
         """The request ended without a handle (failed, cancelled): release it, and remove its
         segment even if the worker wrote it after an earlier release."""
+        if ticket.state == "pooled":
+            return  # an earlier request's closed export, kept (never this request's)
         self.release(ticket)
         _remove(ticket.name)
 
@@ -288,9 +276,12 @@ class KVExports:
             self.discard(ticket)
 
     def close_all(self) -> None:
-        """Engine close: every open handle closes, and any segment a dead worker left goes."""
+        """Engine close: every open handle closes; kept segments, and any a dead worker left,
+        are removed."""
         for handle in list(self._open.values()):
             handle.close()
+        while self._pool:
+            self._unlink(*self._pool.pop())
         prefix = f"aioprefill-{os.getpid()}-"
         with contextlib.suppress(OSError):
             for entry in os.scandir(SHM_DIR):

@@ -83,10 +83,14 @@ async def test_budget_refuses_before_queueing_and_recovers_on_close():
         assert engine.stats().submitted == submitted
         plain = await engine.prefill([1, 2, 3])  # plain requests do not care
         assert plain.kv is None
-        first.kv.close()
-        second = await engine.prefill([1, 2, 3], return_kv=True)
-        assert engine._kv.used_bytes == 3 * PER_TOKEN
+        first.kv.close()  # kept for reuse and still counted...
+        assert engine._kv.used_bytes == engine._kv.pooled_bytes == 8 * PER_TOKEN
+        second = await engine.prefill([1, 2, 3], return_kv=True)  # ...until room is needed
+        assert engine._kv.pooled_bytes == 0 and engine._kv.used_bytes == 3 * PER_TOKEN
+        third = await engine.prefill(list(range(7)), return_kv=True)  # exactly the budget
+        assert engine._kv.used_bytes == config.max_kv_export_bytes
         second.kv.close()
+        third.kv.close()
 
 
 @pytest.mark.asyncio
@@ -148,7 +152,8 @@ def test_a_caller_that_dies_holding_exports_leaks_nothing(mode: str):
 def test_a_retry_replaces_the_half_written_export_of_a_dead_worker():
     """The engine keeps a request's segment name across retries: a worker that died part-way
     through writing leaves the segment behind, and the retry's writer replaces it."""
-    from aioprefill.kv import KVExports, KVSegmentWriter
+    from aioprefill.kv import KVExports
+    from aioprefill.workers.kv_writer import KVSegmentWriter
 
     ledger = KVExports(sim(), 1 << 20)
     ticket = ledger.reserve(4)
@@ -160,4 +165,32 @@ def test_a_retry_replaces_the_half_written_export_of_a_dead_worker():
     retry.close()
     with ledger.open(ticket) as kv:
         assert np.array_equal(kv.keys, sim_kv([1, 2, 3, 4])[0])
+    ledger.close_all()
     assert not (SHM / ticket.name).exists() and ledger.used_bytes == 0
+
+
+@pytest.mark.asyncio
+async def test_closed_exports_are_reused_unless_their_arrays_are_still_held():
+    async with Engine(EngineConfig(model=sim())) as engine:
+        a = await engine.prefill([1, 2, 3, 4], return_kv=True)
+        name = a.kv.name
+        with a.kv as kv:
+            assert np.array_equal(kv.keys, sim_kv([1, 2, 3, 4])[0])
+        assert (SHM / name).exists() and engine._kv.pooled_bytes == a.kv.nbytes
+        # A prompt of 3 tokens fits the 4-token segment (not more than twice its size).
+        b = await engine.prefill([5, 6, 7], return_kv=True)
+        assert b.kv.name == name and engine._kv.pooled_bytes == 0
+        with b.kv as kv:
+            held = kv.keys  # the caller keeps an array past close()
+            want_keys, want_values = sim_kv([5, 6, 7])
+            assert np.array_equal(held, want_keys) and np.array_equal(kv.values, want_values)
+        assert not (SHM / name).exists()  # so these pages are never handed out again
+        c = await engine.prefill([5, 6, 7, 8], return_kv=True)
+        assert c.kv.name != name
+        assert np.array_equal(held, want_keys)
+        tiny = await engine.prefill([9], return_kv=True)  # too small for c's segment: fresh
+        c.kv.close()
+        tiny.kv.close()
+        assert engine._kv.num_open == 0 and engine._kv.pooled_bytes == engine._kv.used_bytes
+        kept = [n for n, _ in engine._kv._pool]
+    assert not any((SHM / n).exists() for n in kept)  # engine close removes kept segments

@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from aioprefill.kv import KVSegmentWriter
+from aioprefill.workers.kv_writer import KVSegmentWriter
 from aioprefill.workers.paddle_head import host
 
 __all__ = ["KVCache", "attend", "export_layer"]

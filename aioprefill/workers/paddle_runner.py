@@ -46,7 +46,8 @@ from paddle.incubate.nn.functional import fused_rms_norm  # noqa: E402
 
 from aioprefill.config import PaddleModel  # noqa: E402
 from aioprefill.errors import InvalidConfig  # noqa: E402
-from aioprefill.kv import KVSegmentWriter, kv_layout, open_writers  # noqa: E402
+from aioprefill.kv import kv_layout  # noqa: E402
+from aioprefill.workers.kv_writer import KVSegmentWriter, open_writers  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402

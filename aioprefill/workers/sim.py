@@ -22,7 +22,8 @@ import numpy as np
 
 from aioprefill import protocol
 from aioprefill.config import SimModel
-from aioprefill.kv import SIM_KV_LAYOUT, open_writers
+from aioprefill.kv import SIM_KV_LAYOUT
+from aioprefill.workers.kv_writer import open_writers
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 __all__ = [

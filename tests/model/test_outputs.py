@@ -198,7 +198,9 @@ def test_kv_export_drives_a_decode_step(ref64, cuts: list[int]) -> None:
         logits = decode_logits(
             SMALL, ref64, kv.keys.astype(np.float64), kv.values.astype(np.float64), t
         )
-    assert ledger.used_bytes == 0 and ledger.num_open == 0
+    assert ledger.num_open == 0 and ledger.used_bytes == ledger.pooled_bytes  # kept for reuse
+    ledger.close_all()
+    assert ledger.used_bytes == 0
     out = r.forward(batch([np.append(p, t)], [0], [SMALL.vocab_size]))
     m = logits.max()
     want = logits - m - np.log(np.exp(logits - m).sum())
