@@ -109,6 +109,9 @@ class Engine:
         self._broken: AioprefillError | None = None
         self._stats = StatsRecorder()
         self._kv = KVExports(config.model, config.max_kv_export_bytes)
+        # Accepted requests with output options whose future is not done: while 0, dispatch
+        # skips the option columns without looking at a single request.
+        self._num_with_outputs = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -249,9 +252,12 @@ class Engine:
             await self._wait_for_room()
         assert self._loop is not None
         future: asyncio.Future[PrefillResult] = self._loop.create_future()
-        if outputs is not None and return_kv:
-            outputs.kv = self._kv.reserve(len(prompt) >> 2)  # KVBudgetExceeded: nothing queued
-            future.add_done_callback(functools.partial(self._kv.settle, outputs.kv))
+        if outputs is not None:
+            if return_kv:  # KVBudgetExceeded: nothing queued
+                outputs.kv = self._kv.reserve(len(prompt) >> 2)
+                future.add_done_callback(functools.partial(self._kv.settle, outputs.kv))
+            self._num_with_outputs += 1
+            future.add_done_callback(self._outputs_done)
         req = Request(
             request_id=next(self._ids),
             tokens=prompt,
@@ -273,6 +279,9 @@ class Engine:
         except asyncio.CancelledError:
             self._cancel(req)
             raise
+
+    def _outputs_done(self, future: asyncio.Future[PrefillResult]) -> None:
+        self._num_with_outputs -= 1
 
     def worker_pids(self) -> list[int]:
         """PIDs of the live worker processes, by worker index."""
@@ -370,7 +379,9 @@ class Engine:
     def _send_staged(self, w: WorkerSlot, *, backlogged: bool) -> bool:
         """Send the staged batch: its columns are ready, so this is O(1) Python work."""
         staged = self._staged
-        options = option_columns([r.outputs for r in staged.requests])
+        options = None
+        if self._num_with_outputs:
+            options = option_columns([r.outputs for r in staged.requests])
         sent = self._write_batch(w, staged.ids, staged.token_parts, None, None, options)
         if sent is None:
             return False
@@ -483,7 +494,7 @@ class Engine:
                 (FLAG_FIRST_CHUNK if c.start == 0 else 0) | (FLAG_LAST_CHUNK if c.is_last else 0)
                 for c in chunks
             ],
-            option_columns([c.request.outputs for c in chunks]),
+            option_columns([c.request.outputs for c in chunks]) if self._num_with_outputs else None,
         )
         if sent is None:
             return False
