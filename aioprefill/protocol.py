@@ -251,7 +251,7 @@ def make_prefill_batch(
     for part in token_parts:
         total += len(part) >> 2
         offsets.append(total)
-    return PrefillBatch(
+    msg = PrefillBatch(
         batch_id=batch_id,
         request_ids=struct.pack(f"<{n}q", *request_ids),
         offsets=struct.pack(f"<{n + 1}i", *offsets),
@@ -260,12 +260,10 @@ def make_prefill_batch(
         flags=_WHOLE_PROMPT * n if flags is None else bytes(flags),
         free_ids=struct.pack(f"<{len(free_ids)}q", *free_ids) if free_ids else b"",
         sent_ns=sent_ns,
-        **({} if options is None else _option_fields(*options)),
     )
-
-
-def _option_fields(options: bytes, top_k: bytes, kv_names: list[str]) -> dict[str, Any]:
-    return {"options": options, "top_k": top_k, "kv_names": kv_names}
+    if options is not None:
+        msg.options, msg.top_k, msg.kv_names = options
+    return msg
 
 
 _WHOLE_PROMPT = bytes([FLAG_FIRST_CHUNK | FLAG_LAST_CHUNK])

@@ -190,9 +190,13 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
         request_ids=np.ascontiguousarray(out.request_ids, dtype="<i8").tobytes(),
         tokens=np.ascontiguousarray(out.tokens, dtype="<i4").tobytes(),
         logprobs=np.ascontiguousarray(out.logprobs, dtype="<f8").tobytes(),
-        top_k_ids=np.ascontiguousarray(out.top_k_ids, dtype="<i4").tobytes(),
-        top_k_logprobs=np.ascontiguousarray(out.top_k_logprobs, dtype="<f4").tobytes(),
-        prompt_logprobs=np.ascontiguousarray(out.prompt_logprobs, dtype="<f4").tobytes(),
-        embeddings=np.ascontiguousarray(out.embeddings, dtype="<f4").tobytes(),
-        embed_dim=int(out.embeddings.shape[1]) if out.embeddings.ndim == 2 else 0,
+        top_k_ids=_column(out.top_k_ids, "<i4"),
+        top_k_logprobs=_column(out.top_k_logprobs, "<f4"),
+        prompt_logprobs=_column(out.prompt_logprobs, "<f4"),
+        embeddings=_column(out.embeddings, "<f4"),
+        embed_dim=int(out.embeddings.shape[1]) if out.embeddings.size else 0,
     )
+
+
+def _column(array: np.ndarray, dtype: str) -> bytes:
+    return np.ascontiguousarray(array, dtype=dtype).tobytes() if array.size else b""
