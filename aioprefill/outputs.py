@@ -86,14 +86,18 @@ def parse_outputs(
     return Outputs(bits=bits, top_k=int(top_k))
 
 
-def option_columns(outputs: list[Outputs | None]) -> tuple[bytes, bytes, list[str]] | None:
-    """PrefillBatch's (options, top_k, kv_names) for a batch's requests, in batch order."""
-    if not any(outputs):
-        return None
-    bits = bytes(0 if o is None else o.bits for o in outputs)
-    top_k = struct.pack(f"<{len(outputs)}i", *(0 if o is None else o.top_k for o in outputs))
-    names = [o.kv.name for o in outputs if o is not None and o.kv is not None]
-    return bits, top_k, names
+def option_columns(size: int, outputs: list[tuple[int, Outputs]]) -> tuple[bytes, bytes, list[str]]:
+    """PrefillBatch's (options, top_k, kv_names) for a batch of `size` requests, from the
+    (position, Outputs) of those that have options (`batching.Columns.outputs`)."""
+    bits = bytearray(size)
+    top_k = [0] * size
+    names = []
+    for at, out in outputs:
+        bits[at] = out.bits
+        top_k[at] = out.top_k
+        if out.kv is not None:
+            names.append(out.kv.name)
+    return bytes(bits), struct.pack(f"<{size}i", *top_k), names
 
 
 def unspill(msg: Spilled) -> BatchResult:
@@ -167,7 +171,7 @@ class ResultColumns:
 
 
 def read_outputs(msg: BatchResult, chunks: list[Any], ledger: KVExports) -> list[dict[str, Any]]:
-    """PrefillResult fields per chunk of the batch (`policy.Chunk`s, batch order); empty dicts
+    """PrefillResult fields per chunk of the batch (`batching.Chunk`s, batch order); empty dicts
     and no work at all when none of its requests asked for an option. Raises ProtocolError when
     the columns disagree with what was asked."""
     if not any(c.request.outputs for c in chunks):

@@ -29,7 +29,6 @@ def parse(**kw):
 
 def test_no_options_cost_nothing_on_the_wire():
     assert parse() is None
-    assert option_columns([None, None]) is None
     batch = make_prefill_batch(1, [1, 2], [b"\0" * 4, b"\0" * 8], None, None, [], 0, None)
     assert batch.options == b"" and batch.top_k == b"" and batch.kv_names == []
     assert batch.option_arrays() == (None, None, ())
@@ -40,7 +39,7 @@ def test_option_columns_round_trip():
     a = parse(prompt_logprobs=True, top_k=3)
     b = parse(embed="mean", normalize=True, return_kv=True)
     b.kv = ledger.reserve(2)
-    cols = option_columns([a, None, b])
+    cols = option_columns(3, [(0, a), (2, b)])
     batch = make_prefill_batch(7, [1, 2, 3], [b"\0" * 4] * 3, None, None, [], 0, cols)
     decoded = protocol.decode_to_worker(protocol.encode(batch))
     options, top_k, names = decoded.option_arrays()
