@@ -20,6 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
+from aioprefill.protocol import OPT_RETURN_KV
+
 __all__ = ["ForwardBatch", "ForwardOutput", "ModelRunner"]
 
 _NO_NAMES: tuple[str, ...] = ()
@@ -56,8 +58,6 @@ class ForwardBatch:
 
     def kv_name_of(self) -> dict[int, str]:
         """Batch index -> KV export segment name, for the requests with OPT_RETURN_KV."""
-        from aioprefill.protocol import OPT_RETURN_KV
-
         wants = np.flatnonzero(self.has(OPT_RETURN_KV)).tolist()
         return dict(zip(wants, self.kv_names, strict=True))
 
