@@ -79,6 +79,9 @@ class EngineConfig:
     start_method: str | None = None
     # On a clean exit from `async with`, wait this long for accepted requests to finish.
     shutdown_timeout_s: float = 30.0
+    # Shared memory that KV exports (return_kv=True) may hold: requests in flight plus handles
+    # not yet closed. Past it, return_kv requests raise KVBudgetExceeded.
+    max_kv_export_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         _require(
@@ -137,6 +140,7 @@ class EngineConfig:
             f"must be None, 'spawn' or 'forkserver' (never 'fork'); got {self.start_method!r}",
         )
         _finite_nonneg(self.shutdown_timeout_s, "EngineConfig.shutdown_timeout_s")
+        _positive_int(self.max_kv_export_bytes, "EngineConfig.max_kv_export_bytes", allow_zero=True)
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(
@@ -148,7 +152,9 @@ class EngineConfig:
 
     def min_ring_capacity(self) -> int:
         """Bytes one full batch frame can take: int32 tokens + per-request columns + slack."""
-        per_request = 8 + 4 + 4 + 4 + 1  # request id, offset, start position, prompt length, flags
+        # request id, offset, start position, prompt length, flags; output options, top_k and
+        # a KV export's segment name (~50 bytes of msgpack str) when a request asks for them.
+        per_request = 8 + 4 + 4 + 4 + 1 + 1 + 4 + 64
         return 4 * self.max_batch_tokens + per_request * (self.max_batch_size + 1) + 4096
 
     def effective_ring_capacity(self) -> int:

@@ -22,7 +22,8 @@ from aioprefill import protocol
 from aioprefill.batching import Columns
 from aioprefill.config import EngineConfig
 from aioprefill.errors import ProtocolError
-from aioprefill.protocol import BatchFailed, BatchResult
+from aioprefill.outputs import unspill
+from aioprefill.protocol import BatchFailed, BatchResult, Spilled
 from aioprefill.recovery import RestartBackoff
 from aioprefill.stats import StatsRecorder
 from aioprefill.workers.process import WorkerHandle
@@ -222,11 +223,22 @@ class WorkerPool:
                 continue
             finally:
                 outbox.release()
+            if isinstance(msg, Spilled):  # a result too big for the ring
+                msg = self._unspill(slot, msg)
             if isinstance(msg, (BatchResult, BatchFailed)):
                 self._on_answer(slot, msg)
             else:
                 self._stats.protocol_errors += 1
                 log.warning("worker %d sent an unexpected %s", slot.index, type(msg).__name__)
+
+    def _unspill(self, slot: WorkerSlot, msg: Spilled) -> BatchResult | BatchFailed:
+        try:
+            return unspill(msg)
+        except ProtocolError as exc:
+            self._stats.protocol_errors += 1
+            log.warning("worker %d: %s", slot.index, exc)
+            now = time.monotonic_ns()
+            return BatchFailed(msg.batch_id, now, now, "ProtocolError", str(exc))
 
     def _on_answer(self, slot: WorkerSlot, msg: BatchResult | BatchFailed) -> None:
         in_flight = slot.in_flight
