@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 from aioprefill.errors import InvalidConfig
+from aioprefill.parallel import check_parallel
 
 __all__ = ["POLICIES", "EngineConfig", "ModelSpec", "PaddleModel", "SimModel"]
 
@@ -87,6 +88,11 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
     `PaddleModel(seed=0)` is the tiny model of the design brief: 4 layers, hidden 256, 8 heads
     (4 KV heads), FFN 768, vocab 32000, about 19.6 M parameters. `weights=` loads a safetensors
     file with Hugging Face Llama tensor names instead of random initialisation.
+
+    `num_experts > 0` makes every layer's MLP a Mixtral-style mixture of experts: a router
+    (`block_sparse_moe.gate`) picks `num_experts_per_tok` experts per token, each an
+    `intermediate_size` SwiGLU MLP (`block_sparse_moe.experts.{e}.w1/w2/w3`). The spec always
+    describes the whole model; how it is split over ranks is the engine's setting.
     """
 
     num_layers: int = 4
@@ -105,6 +111,8 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
     device: Literal["auto", "cpu", "gpu"] = "auto"
     num_threads: int = 1
     deterministic: bool = False
+    num_experts: int = 0  # 0: dense MLPs
+    num_experts_per_tok: int = 2
 
     def __post_init__(self) -> None:
         for name in (
@@ -136,6 +144,19 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
         _finite_nonneg(self.rope_theta, "PaddleModel.rope_theta")
         _finite_nonneg(self.rms_norm_eps, "PaddleModel.rms_norm_eps")
         _require(isinstance(self.seed, int), "PaddleModel.seed", "must be an int")
+        _positive_int(self.num_experts, "PaddleModel.num_experts", allow_zero=True)
+        _positive_int(self.num_experts_per_tok, "PaddleModel.num_experts_per_tok")
+        if self.num_experts:
+            _require(
+                self.num_experts_per_tok <= self.num_experts,
+                "PaddleModel.num_experts_per_tok",
+                f"{self.num_experts_per_tok} exceeds num_experts={self.num_experts}",
+            )
+            _require(
+                not self.deterministic,
+                "PaddleModel.deterministic",
+                "bitwise batch invariance is not implemented for mixture-of-experts layers",
+            )
 
     @property
     def head_dim(self) -> int:
@@ -175,6 +196,10 @@ class EngineConfig:
     start_method: str | None = None
     # On a clean exit from `async with`, wait this long for accepted requests to finish.
     shutdown_timeout_s: float = 30.0
+    # Ranks per replica (tensor parallelism); world = num_workers * tp_size processes.
+    tp_size: int = 1
+    # All replicas form one expert-parallel group that steps in lockstep (MoE experts sharded).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -220,6 +245,7 @@ class EngineConfig:
             f"must be None, 'spawn' or 'forkserver' (never 'fork'); got {self.start_method!r}",
         )
         _finite_nonneg(self.shutdown_timeout_s, "EngineConfig.shutdown_timeout_s")
+        check_parallel(self.model, self.num_workers, self.tp_size, self.expert_parallel)
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(

@@ -46,7 +46,10 @@ from paddle.incubate.nn.functional import fused_rms_norm  # noqa: E402
 
 from aioprefill.config import PaddleModel  # noqa: E402
 from aioprefill.errors import InvalidConfig  # noqa: E402
+from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend  # noqa: E402
+from aioprefill.workers.paddle_moe import MoE  # noqa: E402
+from aioprefill.workers.paddle_shard import Shard, idle_batch  # noqa: E402
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402
 from aioprefill.workers.weights import model_weights  # noqa: E402
 
@@ -78,7 +81,7 @@ def _heads_major(w: np.ndarray, dim: int) -> np.ndarray:
 class _Layer:
     """One decoder layer's weights on the device, laid out for the packed forward."""
 
-    __slots__ = ("down", "gate_up", "in_norm", "o", "post_norm", "qkv")
+    __slots__ = ("down", "gate_up", "in_norm", "moe", "o", "post_norm", "qkv")
 
     def __init__(self, w: dict[str, np.ndarray], prefix: str, spec: PaddleModel) -> None:
         def t(a: np.ndarray) -> paddle.Tensor:
@@ -96,8 +99,11 @@ class _Layer:
         self.qkv = t(np.concatenate([qk, _heads_major(w[a + "v_proj.weight"], dim)]))
         # The rest keep HF's [out, in] layout, multiplied with transpose_y (as fast on MKL).
         self.o = t(w[a + "o_proj.weight"])
-        self.gate_up = t(np.concatenate([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
-        self.down = t(w[m + "down_proj.weight"])
+        # parallel: a mixture of experts replaces the dense MLP (paddle_moe)
+        self.moe = MoE(w, prefix, spec, t) if spec.num_experts else None
+        if self.moe is None:
+            self.gate_up = t(np.concatenate([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
+            self.down = t(w[m + "down_proj.weight"])
         self.in_norm = t(w[prefix + "input_layernorm.weight"])
         self.post_norm = t(w[prefix + "post_attention_layernorm.weight"])
 
@@ -114,7 +120,13 @@ class PaddleRunner:
 
     device: str
 
-    def __init__(self, spec: PaddleModel, worker_index: int = 0) -> None:
+    def __init__(
+        self,
+        spec: PaddleModel,
+        worker_index: int = 0,
+        group: PaddleGroup | None = None,
+        mode: str = "",
+    ) -> None:
         self.spec = spec
         self.device = _pick_device(spec, worker_index)
         if self.device == "cpu" and spec.dtype != "float32":
@@ -131,7 +143,9 @@ class PaddleRunner:
             with contextlib.suppress(ValueError):
                 paddle.set_flags({"FLAGS_allow_tf32_cublas": False})
         dtype = spec.dtype
-        weights = model_weights(spec)
+        # parallel: this rank's share of the weights (all of them alone), see paddle_shard
+        self._shard = Shard(spec, group, mode)
+        weights = self._shard.select(model_weights(spec))
         with paddle.no_grad():
             embed = weights.pop("model.embed_tokens.weight")
             self._embed = paddle.to_tensor(embed, dtype=dtype)
@@ -150,6 +164,8 @@ class PaddleRunner:
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one packed batch; results for the requests whose `is_last` is set, in order."""
+        if self._shard.ep_size > 1 and not self._ep_check(batch):
+            return ForwardOutput(*(np.empty(0, dtype=t) for t in (np.int64, np.int32, np.float64)))
         self._check(batch)
         try:
             with paddle.no_grad():
@@ -171,6 +187,27 @@ class PaddleRunner:
         return len(self._cache)
 
     # ------------------------------------------------------------------ internals
+
+    def _ep_check(self, batch: ForwardBatch) -> bool:
+        """parallel: an expert-parallel rank must take part in every step's collectives, even
+        with no work (an empty batch) or with a batch it refuses. False: nothing to run."""
+        try:
+            if batch.size:
+                self._check(batch)
+                return True
+        except ValueError:
+            with paddle.no_grad():
+                self._forward(idle_batch())
+            raise
+        with paddle.no_grad():
+            self._forward(idle_batch())
+        return False
+
+    def _mlp(self, h: paddle.Tensor, layer: _Layer) -> paddle.Tensor:
+        """The dense SwiGLU MLP, or the layer's mixture of experts (partial sums under TP)."""
+        if layer.moe is not None:
+            return layer.moe.forward(h, self._shard.group if self._shard.ep_size > 1 else None)
+        return self._linear(F.swiglu(self._linear(h, layer.gate_up)), layer.down)
 
     def _rope_tables(self, positions: int) -> tuple[paddle.Tensor, paddle.Tensor]:
         """cos and sign-folded sin, [positions, head_dim], in the model's dtype (as HF casts them),
@@ -229,7 +266,7 @@ class PaddleRunner:
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         spec = self.spec
-        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        heads, kv_heads, dim = self._shard.heads, self._shard.kv_heads, spec.head_dim
         offsets = batch.offsets.astype(np.int64)
         lens = np.diff(offsets)
         total = int(offsets[-1])
@@ -268,9 +305,9 @@ class PaddleRunner:
             if rows > total:
                 outs.append(paddle.zeros([heads, rows - total, dim], dtype=x.dtype))
             attn = paddle.concat(outs, axis=1).transpose([1, 0, 2]).reshape([rows, heads * dim])
-            x = x + self._linear(attn, layer.o)
+            x = x + self._shard.reduce(self._linear(attn, layer.o))
             h = fused_rms_norm(x, layer.post_norm, None, eps, 1)[0]
-            x = x + self._linear(F.swiglu(self._linear(h, layer.gate_up)), layer.down)
+            x = x + self._shard.reduce(self._mlp(h, layer))
 
         ends = (batch.start_pos + lens).tolist()
         for rid, cache, last, end in zip(request_ids, caches, is_last, ends, strict=True):
@@ -309,6 +346,8 @@ class PaddleRunner:
         its CPU log_softmax is pathologically slow)."""
         h = fused_rms_norm(h, self._norm, None, self.spec.rms_norm_eps, 1)[0]
         logits = paddle.matmul(h, self._lm_head, transpose_y=True).astype("float32")
+        if self._shard.tp_size > 1:  # parallel: this rank holds a vocabulary slice
+            return self._shard.greedy(logits)
         token = paddle.argmax(logits, axis=-1, keepdim=True)
         top = paddle.take_along_axis(logits, token, axis=-1)
         total = paddle.exp(logits - top).sum(axis=-1)

@@ -44,7 +44,8 @@ class WeightsError(InvalidConfig):
 
 
 def expected_shapes(spec: PaddleModel) -> dict[str, tuple[int, ...]]:
-    """Every tensor the spec needs, by Hugging Face Llama name, in a fixed order."""
+    """Every tensor the spec needs, by Hugging Face Llama (or, with experts, Mixtral) name, in a
+    fixed order."""
     hidden, ffn, vocab = spec.hidden_size, spec.intermediate_size, spec.vocab_size
     dim = spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
@@ -56,6 +57,14 @@ def expected_shapes(spec: PaddleModel) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.v_proj.weight"] = (spec.num_kv_heads * dim, hidden)
         shapes[p + "self_attn.o_proj.weight"] = (hidden, spec.num_heads * dim)
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        if spec.num_experts:  # Mixtral's names: w1 gate, w3 up, w2 down
+            m = p + "block_sparse_moe."
+            shapes[m + "gate.weight"] = (spec.num_experts, hidden)
+            for e in range(spec.num_experts):
+                shapes[f"{m}experts.{e}.w1.weight"] = (ffn, hidden)
+                shapes[f"{m}experts.{e}.w2.weight"] = (hidden, ffn)
+                shapes[f"{m}experts.{e}.w3.weight"] = (ffn, hidden)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (ffn, hidden)
         shapes[p + "mlp.up_proj.weight"] = (ffn, hidden)
         shapes[p + "mlp.down_proj.weight"] = (hidden, ffn)

@@ -1,0 +1,128 @@
+"""`Shard`: one rank's share of a `PaddleModel`, and the collectives that join the shares.
+
+Tensor parallelism (Megatron-style, `tp` ranks): every rank keeps the whole embedding and the
+norms, and a `1/tp` slice of everything else.
+
+- q/k/v are column-parallel: rank r keeps query heads `[r*H/tp, (r+1)*H/tp)` and the KV heads
+  they read (contiguous, because query head j reads KV head `j // (H/KV)`); gate/up keep rows
+  `[r*F/tp, (r+1)*F/tp)`, as do the experts' w1/w3.
+- o and down (and the experts' w2) are row-parallel: the matching columns, so each rank's
+  product is a partial sum, and one all_reduce per block (`reduce`) adds them up.
+- The LM head is vocab-parallel: rank r keeps rows `[r*V/tp, (r+1)*V/tp)` and computes its
+  logits' max, first argmax and sum(exp(logit - max)); one all_gather of those triples gives
+  the global argmax (the lowest index among the ranks holding the max, as argmax over the whole
+  row would pick) and the log-sum-exp `M + log(sum_r s_r * exp(m_r - M))`.
+
+Expert parallelism (`ep` ranks, one per replica): rank r keeps experts
+`[r*E/ep, (r+1)*E/ep)` and everything else whole; `paddle_moe` exchanges the tokens.
+
+A single rank (no group) keeps everything and `reduce` is the identity. Only worker processes
+and model-level tests import this module (it imports paddle).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import paddle
+
+from aioprefill.config import PaddleModel
+from aioprefill.workers.collectives import PaddleGroup
+from aioprefill.workers.runner import ForwardBatch
+
+__all__ = ["Shard", "idle_batch"]
+
+_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+# Name suffix -> axis of the HF [out, in] matrix that tensor parallelism splits.
+_COLUMN_PARALLEL = (
+    *("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight"),
+    *("w1.weight", "w3.weight", "lm_head.weight"),
+)
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "w2.weight")
+
+
+def _part(a: np.ndarray, axis: int, rank: int, size: int) -> np.ndarray:
+    step = a.shape[axis] // size
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(rank * step, (rank + 1) * step)
+    return np.ascontiguousarray(a[tuple(index)])
+
+
+class Shard:
+    """Rank `rank` of a group of `size` running `spec` in `mode` ("tp" or "ep"; None: alone)."""
+
+    def __init__(self, spec: PaddleModel, group: PaddleGroup | None = None, mode: str = "") -> None:
+        self.spec = spec
+        self.group = group
+        self.tp_size = group.size if group is not None and mode == "tp" else 1
+        self.ep_size = group.size if group is not None and mode == "ep" else 1
+        self.rank = group.rank if group is not None else 0
+        self.heads = spec.num_heads // self.tp_size
+        self.kv_heads = spec.num_kv_heads // self.tp_size
+        self.vocab_start = self.rank * spec.vocab_size // self.tp_size if self.tp_size > 1 else 0
+
+    def local_experts(self) -> range:
+        per = self.spec.num_experts // self.ep_size
+        first = self.rank * per if self.ep_size > 1 else 0
+        return range(first, first + per)
+
+    def select(self, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This rank's slices of the full model's HF-named weights (the dict is consumed)."""
+        if self.tp_size == 1 and self.ep_size == 1:
+            return weights
+        if self.tp_size > 1 and "lm_head.weight" not in weights:
+            # Tied embeddings: the embedding stays whole, the head is a vocabulary slice of it.
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        keep = self.local_experts()
+        out: dict[str, np.ndarray] = {}
+        for name in list(weights):
+            w = weights.pop(name)
+            expert = _EXPERT.search(name)
+            if expert is not None and int(expert.group(1)) not in keep:
+                continue  # another EP rank's expert
+            if self.tp_size > 1 and name.endswith(_COLUMN_PARALLEL):
+                w = _part(w, 0, self.rank, self.tp_size)
+            elif self.tp_size > 1 and name.endswith(_ROW_PARALLEL):
+                w = _part(w, 1, self.rank, self.tp_size)
+            out[name] = w
+        return out
+
+    def reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+        """Sum a row-parallel product's partial results over the TP ranks (identity alone)."""
+        if self.tp_size == 1:
+            return x
+        assert self.group is not None
+        return self.group.all_reduce(x)
+
+    def greedy(self, logits: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Vocab-parallel greedy token and its log-probability from this rank's logits
+        `[rows, V/tp]` (float32): one all_gather of (max, argmax, sum(exp(logit - max)))."""
+        assert self.group is not None
+        token = paddle.argmax(logits, axis=-1, keepdim=True)
+        top = paddle.take_along_axis(logits, token, axis=-1)
+        total = paddle.exp(logits - top).sum(axis=-1, keepdim=True)
+        triple = [top, token + self.vocab_start, total]
+        mine = paddle.concat([t.astype("float64") for t in triple], axis=-1)
+        every = self.group.all_gather(mine).numpy()  # [tp, rows, 3]
+        tops, tokens, totals = every[..., 0], every[..., 1], every[..., 2]
+        best = tops.max(axis=0)
+        winner = np.argmax(tops == best, axis=0)  # first rank holding the max: lowest index
+        rows = np.arange(tops.shape[1])
+        lse = np.log((totals * np.exp(tops - best)).sum(axis=0))
+        return (
+            paddle.to_tensor(tokens[winner, rows].astype(np.int64)),
+            paddle.to_tensor(-lse),
+        )
+
+
+def idle_batch() -> ForwardBatch:
+    """What an EP rank without work runs to keep its peers' collectives going: one padding
+    token (id 0 at position 0) whose result is thrown away."""
+    return ForwardBatch(
+        request_ids=np.array([-1], dtype=np.int64),
+        offsets=np.array([0, 1], dtype=np.int32),
+        tokens=np.zeros(1, dtype=np.int32),
+        start_pos=np.zeros(1, dtype=np.int32),
+        is_last=np.array([True]),
+    )
