@@ -13,7 +13,7 @@ released as soon as `decode()` returns.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -23,6 +23,7 @@ from aioprefill.errors import ProtocolError
 from aioprefill.shm.channel import ChannelSpec
 
 __all__ = [
+    "BatchDone",
     "BatchFailed",
     "BatchResult",
     "FromWorker",
@@ -46,13 +47,25 @@ FLAG_FIRST_CHUNK = 2  # this chunk starts the prompt: no state exists yet
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """What a worker process needs to start, sent msgspec-encoded at spawn time."""
+    """What a worker process needs to start, sent msgspec-encoded at spawn time.
+
+    A worker is rank `rank` of a collective group of `group_size` ranks (group `group`):
+    `parallel` says what the ranks share ("tp": every batch; "ep": lockstep steps, each rank
+    its own batch; "": a lone worker), and they meet at `master` ("host:port", rank 0 listens).
+    A collective that waits longer than `collective_timeout_s` breaks the group.
+    """
 
     worker: int
     model: SimModel | PaddleModel
     to_worker: ChannelSpec
     from_worker: ChannelSpec
     engine_pid: int
+    rank: int = 0
+    group_size: int = 1
+    group: int = 0
+    parallel: Literal["", "tp", "ep"] = ""
+    master: str = ""
+    collective_timeout_s: float = 60.0
 
 
 # ---- engine -> worker ---------------------------------------------------------------------
@@ -162,6 +175,14 @@ class BatchResult(msgspec.Struct, tag=True, array_like=True):
         )
 
 
+class BatchDone(msgspec.Struct, tag=True, array_like=True):
+    """A tensor-parallel rank other than 0 finished this batch; rank 0 carries the results."""
+
+    batch_id: int
+    forward_start_ns: int
+    forward_end_ns: int
+
+
 class BatchFailed(msgspec.Struct, tag=True, array_like=True):
     """The model raised during this batch's forward; every request in it fails."""
 
@@ -172,7 +193,7 @@ class BatchFailed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-FromWorker = Ready | StartFailed | BatchResult | BatchFailed
+FromWorker = Ready | StartFailed | BatchResult | BatchDone | BatchFailed
 
 
 def make_prefill_batch(
@@ -237,7 +258,9 @@ def decode_to_worker(data: bytes | memoryview) -> PrefillBatch | Shutdown:
     return _decode(_to_worker, data, "engine->worker")
 
 
-def decode_from_worker(data: bytes | memoryview) -> Ready | StartFailed | BatchResult | BatchFailed:
+def decode_from_worker(
+    data: bytes | memoryview,
+) -> Ready | StartFailed | BatchResult | BatchDone | BatchFailed:
     return _decode(_from_worker, data, "worker->engine")
 
 

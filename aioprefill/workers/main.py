@@ -16,29 +16,51 @@ import ctypes
 import os
 import select
 import signal
+import sys
 import time
 import traceback
 
 import numpy as np
 
 from aioprefill import protocol
-from aioprefill.protocol import BatchFailed, BatchResult, PrefillBatch, Ready, Shutdown, StartFailed
+from aioprefill.protocol import (
+    BatchDone,
+    BatchFailed,
+    BatchResult,
+    PrefillBatch,
+    Ready,
+    Shutdown,
+    StartFailed,
+)
 from aioprefill.shm.channel import Channel
+from aioprefill.workers.group import EXIT_GROUP_BROKEN, CollectiveError
 from aioprefill.workers.runner import ForwardBatch, ModelRunner
 
 __all__ = ["make_runner", "worker_main"]
 
 
 def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
+    """The worker's model; for a rank of a group, once the group has formed (its collectives
+    connected), so Ready means the whole group can run."""
     from aioprefill.config import PaddleModel
 
+    grouped = spec.group_size > 1
     if isinstance(spec.model, PaddleModel):
         from aioprefill.workers.paddle_runner import PaddleRunner
 
-        return PaddleRunner(spec.model, spec.worker)
+        if not grouped:
+            return PaddleRunner(spec.model, spec.worker)
+        from aioprefill.workers.collectives import PaddleGroup
+
+        group = PaddleGroup(spec.rank, spec.group_size, spec.master, spec.collective_timeout_s)
+        return PaddleRunner(spec.model, spec.worker, group=group, mode=spec.parallel)
+    from aioprefill.workers.barrier import SocketBarrier
     from aioprefill.workers.sim import SimRunner
 
-    return SimRunner(spec.model)
+    if not grouped:
+        return SimRunner(spec.model)
+    barrier = SocketBarrier(spec.rank, spec.group_size, spec.master, spec.collective_timeout_s)
+    return SimRunner(spec.model, barrier)
 
 
 def _set_process_name(name: str) -> None:
@@ -73,6 +95,12 @@ def worker_main(spec_bytes: bytes, to_fds: tuple[int, int], from_fds: tuple[int,
     outbox = Channel.attach(spec.from_worker, *from_fds)
     try:
         _serve(spec, inbox, outbox, started_ns)
+    except CollectiveError as exc:
+        # The group is broken (a peer died or hung): exiting closes our sockets, which breaks
+        # any peer still waiting at once, and the engine restarts the whole group.
+        print(f"aioprefill worker {spec.worker} rank {spec.rank}: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(EXIT_GROUP_BROKEN)
     finally:
         inbox.close()
         outbox.close()
@@ -111,6 +139,8 @@ def _serve_batches(
     else:
         poller.register(engine_fd, select.POLLIN)
     out_buffer = bytearray(1 << 16)
+    # Tensor-parallel ranks > 0 computed the same results as rank 0: they only acknowledge.
+    acknowledge_only = spec.parallel == "tp" and spec.rank > 0
     try:
         while True:
             for fd, _ in poller.poll():
@@ -124,7 +154,9 @@ def _serve_batches(
                     inbox.release()
                 if isinstance(msg, Shutdown):
                     return
-                reply = _run_batch(runner, msg)
+                reply: BatchResult | BatchDone | BatchFailed = _run_batch(runner, msg)
+                if acknowledge_only and isinstance(reply, BatchResult):
+                    reply = BatchDone(reply.batch_id, reply.forward_start_ns, reply.forward_end_ns)
                 outbox.send_blocking(protocol.encode_into(reply, out_buffer))
     finally:
         if engine_fd >= 0:
@@ -148,6 +180,8 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
         )
         out = runner.forward(batch)
         end_ns = time.monotonic_ns()
+    except CollectiveError:
+        raise  # not this batch's fault: the group broke
     except Exception as exc:
         end_ns = time.monotonic_ns()
         with contextlib.suppress(Exception):

@@ -4,6 +4,11 @@ It is a real worker (real process, rings, eventfds) whose forward costs a known,
 for scheduling experiments. Its token for a prompt is a CRC32 of the prompt's int32 bytes
 modulo the vocabulary, computed incrementally across chunks, so the result of a chunked prompt
 equals the unchunked one and tests can check each caller got its own answer.
+
+As a rank of a tensor- or expert-parallel group it meets its peers at a real barrier after
+every forward (`SocketBarrier`), so a step costs what the slowest rank costs and a rank that
+skips a step blocks the others, as the collectives of a real model would. An empty batch (what
+an idle expert-parallel rank gets) sleeps the fixed cost and joins the barrier.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import zlib
 import numpy as np
 
 from aioprefill.config import SimModel
+from aioprefill.workers.barrier import SocketBarrier
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 __all__ = ["SimRunner", "expected_logprob", "expected_token"]
@@ -41,14 +47,18 @@ def expected_logprob(tokens: list[int] | np.ndarray) -> float:
 class SimRunner:
     device = "sim"
 
-    def __init__(self, spec: SimModel) -> None:
+    def __init__(self, spec: SimModel, barrier: SocketBarrier | None = None) -> None:
         self.spec = spec
+        self.barrier = barrier
         self._partial: dict[int, int] = {}  # request id -> CRC of the chunks seen so far
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         seq_lens = batch.seq_lens()
         self._inject_faults(batch.tokens)
         time.sleep(self.spec.forward_seconds([int(n) for n in seq_lens]))
+        if self.barrier is not None:
+            self.barrier.wait()  # the step ends when the slowest rank's forward does
+            self._inject_failure(batch.tokens)  # after the barrier: the group stays in step
         ids, toks, lps = [], [], []
         offsets = batch.offsets
         for i in range(batch.size):
@@ -69,10 +79,14 @@ class SimRunner:
             logprobs=np.asarray(lps, dtype=np.float64),
         )
 
+    def _inject_failure(self, tokens: np.ndarray) -> None:
+        if self.spec.fail_token >= 0 and np.any(tokens == self.spec.fail_token):
+            raise RuntimeError(f"injected failure: batch holds token {self.spec.fail_token}")
+
     def _inject_faults(self, tokens: np.ndarray) -> None:
         spec = self.spec
-        if spec.fail_token >= 0 and np.any(tokens == spec.fail_token):
-            raise RuntimeError(f"injected failure: batch holds token {spec.fail_token}")
+        if self.barrier is None:
+            self._inject_failure(tokens)
         if spec.crash_token >= 0 and np.any(tokens == spec.crash_token):
             os._exit(70)  # a hard crash: no result, no goodbye
         if spec.hang_token >= 0 and np.any(tokens == spec.hang_token):

@@ -60,6 +60,7 @@ def run_job(rank: int, size: int, master: str, arg: bytes) -> bytes:
     from aioprefill.workers.collectives import PaddleGroup
     from aioprefill.workers.paddle_runner import PaddleRunner
 
+    assert arg is not None
     job = msgspec.msgpack.decode(arg, type=Job)
     group = PaddleGroup(rank, size, master, timeout=60.0)
     try:
@@ -69,5 +70,6 @@ def run_job(rank: int, size: int, master: str, arg: bytes) -> bytes:
         group.close()
 
 
-def decode_outs(data: bytes) -> list[Out]:
+def decode_outs(data: bytes | None) -> list[Out]:
+    assert data is not None, "a rank died"
     return msgspec.msgpack.decode(data, type=list[Out])

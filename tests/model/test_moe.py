@@ -12,7 +12,7 @@ from aioprefill.workers.weights import expected_shapes, random_weights
 from tests.model.batches import make_batch, prompts, runner, small
 from tests.model.moe_reference import reference_moe
 from tests.model.parallel_jobs import JOB, Job, Out, Step, decode_outs, forward
-from tests.model.ranks import run_ranks
+from tests.ranks import run_ranks
 
 MOE = small(num_experts=4, num_experts_per_tok=2, seed=11)
 TOL = 1e-5

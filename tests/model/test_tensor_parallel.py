@@ -11,7 +11,7 @@ import pytest
 from aioprefill.config import PaddleModel
 from tests.model.batches import SMALL, runner, small
 from tests.model.parallel_jobs import JOB, Job, Out, Step, decode_outs, forward
-from tests.model.ranks import run_ranks
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from aioprefill.workers.group import free_port
@@ -24,9 +25,17 @@ def _child(target: str, rank: int, size: int, master: str, arg: bytes, conn: Con
         conn.close()
 
 
-def run_ranks(target: str, size: int, arg: bytes = b"", timeout: float = 240.0) -> list[bytes]:
+def run_ranks(
+    target: str,
+    size: int,
+    arg: bytes = b"",
+    timeout: float = 240.0,
+    collect: Sequence[int] | None = None,
+) -> list[bytes | None]:
     """`target` ("module:function") called as f(rank, size, master, arg) -> bytes in `size`
-    spawned processes; their results by rank. Raises if a rank fails or times out."""
+    spawned processes; the results of the ranks in `collect` (default: all), by rank, None for
+    a rank that died without one. Raises if a rank fails or times out. Ranks still running
+    once the results are in are killed."""
     ctx = multiprocessing.get_context("spawn")
     master = f"127.0.0.1:{free_port()}"
     pipes = [ctx.Pipe(duplex=False) for _ in range(size)]
@@ -39,18 +48,25 @@ def run_ranks(target: str, size: int, arg: bytes = b"", timeout: float = 240.0) 
     for _, w in pipes:
         w.close()
     try:
-        results = []
+        results: list[bytes | None] = []
         for rank, (r, _) in enumerate(pipes):
+            if collect is not None and rank not in collect:
+                results.append(None)
+                continue
             if not r.poll(timeout):
                 raise TimeoutError(f"rank {rank} gave no result within {timeout} s")
-            msg = r.recv_bytes()
+            try:
+                msg = r.recv_bytes()
+            except EOFError:  # it exited without a word
+                results.append(None)
+                continue
             if msg[:2] != b"ok":
                 raise RuntimeError(msg[2:].decode())
             results.append(msg[2:])
         return results
     finally:
         for p in procs:
-            p.join(10)
+            p.join(10 if collect is None else 0.1)
             if p.exitcode is None:
                 p.kill()
                 p.join()
