@@ -18,7 +18,7 @@ from aioprefill.parallel import check_parallel
 
 __all__ = ["POLICIES", "EngineConfig", "ModelSpec", "PaddleModel", "SimModel"]
 
-POLICIES = ("forward", "eager", "timeout")
+POLICIES = ("forward", "eager", "timeout", "ep-timer")  # ep-timer: a baseline, see parallel.py
 
 
 def _require(ok: bool, name: str, why: str) -> None:
@@ -245,7 +245,9 @@ class EngineConfig:
             f"must be None, 'spawn' or 'forkserver' (never 'fork'); got {self.start_method!r}",
         )
         _finite_nonneg(self.shutdown_timeout_s, "EngineConfig.shutdown_timeout_s")
-        check_parallel(self.model, self.num_workers, self.tp_size, self.expert_parallel)
+        check_parallel(
+            self.model, self.num_workers, self.tp_size, self.expert_parallel, self.policy
+        )
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(

@@ -6,7 +6,8 @@ processes that run every batch together (tensor parallelism), so the world is
 `num_workers * tp_size` processes, numbered replica-major: replica 0's ranks 0..tp_size-1, then
 replica 1's. With `expert_parallel=True` every replica is one rank of a single expert-parallel
 group: the replicas run different batches but step in lockstep, because each MoE layer
-exchanges tokens between them.
+exchanges tokens between them (policy "forward": a step when the last one ended and work is
+pending; "ep-timer": the fixed-rate baseline).
 
 `check_parallel` is called once by `EngineConfig` and raises `InvalidConfig` naming the field;
 `ParallelLayout` answers "which ranks form a group" for the pool and the workers.
@@ -18,7 +19,11 @@ from dataclasses import dataclass
 
 from aioprefill.errors import InvalidConfig
 
-__all__ = ["ParallelLayout", "check_parallel"]
+__all__ = ["LOCKSTEP_POLICIES", "ParallelLayout", "check_parallel"]
+
+# Expert-parallel policies. "ep-timer" reproduces the original design's fixed-rate pushes: a
+# step every 5 ms whether or not anything is pending (idle ranks get empty batches at ~200 Hz).
+LOCKSTEP_POLICIES = ("forward", "ep-timer")
 
 
 def _refuse(name: str, why: str) -> None:
@@ -26,9 +31,14 @@ def _refuse(name: str, why: str) -> None:
 
 
 def check_parallel(
-    model: object, num_workers: int, tp_size: object, expert_parallel: object
+    model: object,
+    num_workers: int,
+    tp_size: object,
+    expert_parallel: object,
+    policy: str = "forward",
 ) -> None:
-    """Refuse tensor/expert-parallel settings the model or each other cannot support."""
+    """Refuse tensor/expert-parallel settings the model, the policy or each other cannot
+    support."""
     from aioprefill.config import PaddleModel
 
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
@@ -46,6 +56,17 @@ def check_parallel(
         _refuse(
             "EngineConfig.expert_parallel",
             f"needs num_workers >= 2 (each replica is one expert-parallel rank), got {num_workers}",
+        )
+    if expert_parallel and policy not in LOCKSTEP_POLICIES:
+        _refuse(
+            "EngineConfig.policy",
+            f"expert-parallel ranks step in lockstep: use 'forward' (a step as soon as the "
+            f"last one ended and work is pending) or the 'ep-timer' baseline, not {policy!r}",
+        )
+    if policy == "ep-timer" and not expert_parallel:
+        _refuse(
+            "EngineConfig.policy",
+            "'ep-timer' is an expert-parallel baseline: set expert_parallel=True",
         )
     if not isinstance(model, PaddleModel):
         return  # SimModel ranks only synchronise: any group shape works

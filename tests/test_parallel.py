@@ -19,6 +19,7 @@ def test_defaults_are_one_lone_rank_per_replica() -> None:
     assert EngineConfig(model=MOE, num_workers=4, expert_parallel=True).expert_parallel
     assert EngineConfig(model=MOE, tp_size=2).tp_size == 2  # TP over every expert's slices
     assert EngineConfig(model=SimModel(), num_workers=2, expert_parallel=True).expert_parallel
+    assert EngineConfig(num_workers=2, expert_parallel=True, policy="ep-timer").policy == "ep-timer"
 
 
 @pytest.mark.parametrize(
@@ -49,6 +50,11 @@ def test_defaults_are_one_lone_rank_per_replica() -> None:
             {"model": PaddleModel(), "num_workers": 2, "expert_parallel": True},
             "expert_parallel: the PaddleModel is dense",
         ),
+        (
+            {"num_workers": 2, "expert_parallel": True, "policy": "eager"},
+            "policy: expert-parallel ranks step in lockstep",
+        ),
+        ({"policy": "ep-timer"}, "policy: 'ep-timer' is an expert-parallel baseline"),
         (
             {"model": MOE, "num_workers": 3, "expert_parallel": True},
             r"num_workers=3 ranks cannot share PaddleModel.num_experts=8 equally",
