@@ -66,9 +66,13 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
     fail_token: int = -1
     crash_token: int = -1
     hang_token: int = -1
+    # ... and in a group of ranks, rank `slow_rank` answers each batch `slow_rank_ms` after the
+    # step's barrier (a straggler's late answer, for the tensor-parallel race tests).
+    slow_rank: int = -1
+    slow_rank_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("fixed_ms", "per_token_us", "attn_ns"):
+        for name in ("fixed_ms", "per_token_us", "attn_ns", "slow_rank_ms"):
             _finite_nonneg(getattr(self, name), f"SimModel.{name}")
         _positive_int(self.vocab_size, "SimModel.vocab_size")
         _positive_int(self.max_position_embeddings, "SimModel.max_position_embeddings")

@@ -59,6 +59,8 @@ class SimRunner:
         if self.barrier is not None:
             self.barrier.wait()  # the step ends when the slowest rank's forward does
             self._inject_failure(batch.tokens)  # after the barrier: the group stays in step
+            if self.barrier.rank == self.spec.slow_rank:
+                time.sleep(self.spec.slow_rank_ms * 1e-3)
         ids, toks, lps = [], [], []
         offsets = batch.offsets
         for i in range(batch.size):

@@ -87,6 +87,18 @@ async def test_tp_rank_acknowledges_and_a_dead_peer_breaks_the_group() -> None:
         assert await exit_code(rank0) == EXIT_GROUP_BROKEN
 
 
+async def test_slow_rank_answers_after_its_peer() -> None:
+    """SimModel(slow_rank=1): rank 1 answers each batch slow_rank_ms after the step's barrier
+    (the straggler the engine's TP race tests need)."""
+    async with group(SimModel(fixed_ms=1.0, slow_rank=1, slow_rank_ms=300.0), "tp") as ranks:
+        for h in ranks:
+            send(h, 1, PROMPTS)
+        first, late = await answer(ranks[0]), await answer(ranks[1])
+    assert isinstance(first, BatchResult) and isinstance(late, BatchDone)
+    # rank 1 left the barrier after rank 0 did, then slept 300 ms before stamping its end
+    assert late.forward_end_ns - first.forward_end_ns >= 250e6
+
+
 async def test_ep_rank_with_an_empty_batch_completes_the_step() -> None:
     async with group(SimModel(fixed_ms=2.0), "ep") as (rank0, rank1):
         send(rank0, 1, PROMPTS)
