@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from aioprefill.policy import Budget, Chunk, Request
+from aioprefill.batching import Budget, Chunk, Request
 
 __all__ = ["split_step"]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aioprefill.errors import InvalidConfig
+from aioprefill.models import PaddleModel
 
 __all__ = ["LOCKSTEP_POLICIES", "ParallelLayout", "check_parallel"]
 
@@ -39,8 +40,6 @@ def check_parallel(
 ) -> None:
     """Refuse tensor/expert-parallel settings the model, the policy or each other cannot
     support."""
-    from aioprefill.config import PaddleModel
-
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         _refuse("EngineConfig.tp_size", f"must be an int >= 1, got {tp_size!r}")
     assert isinstance(tp_size, int)

@@ -95,7 +95,7 @@ async def run(args: argparse.Namespace) -> dict:
         await asyncio.sleep(args.interval)  # warm up
         for _ in range(args.kills):
             while True:  # a worker mid-forward (any ready worker when there is no load)
-                busy = [w for w in engine._workers if w.ready and (w.in_flight or not callers)]
+                busy = [w for w in engine._pool.slots if w.ready and (w.in_flight or not callers)]
                 if busy:
                     break
                 await asyncio.sleep(0.001)

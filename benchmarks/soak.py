@@ -96,9 +96,9 @@ async def soak(args: argparse.Namespace) -> dict:
         await asyncio.sleep(0.01)  # let the last cancellations' bookkeeping settle
         stats = engine.stats()
         internals = {
-            "pending_queue": len(engine._pending),
-            "in_flight_batches": sum(len(w.in_flight) for w in engine._workers),
-            "free_ids": sum(len(w.free_ids) for w in engine._workers),
+            "pending_queue": len(engine._sched.pending),
+            "in_flight_batches": sum(len(w.in_flight) for w in engine._pool.slots),
+            "free_ids": sum(len(w.free_ids) for w in engine._pool.slots),
         }
         gc.collect()
         rss["engine_end_mb"] = rss_mb()

@@ -17,7 +17,6 @@ re-routes a token it did not compute.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import numpy as np
@@ -29,8 +28,6 @@ from aioprefill.workers.collectives import PaddleGroup
 
 __all__ = ["MoE"]
 
-_EXPERT = re.compile(r"experts\.(\d+)\.w1\.weight$")
-
 
 class MoE:
     """One layer's router and this rank's experts (`experts[e] = (w1|w3, w2)`, global ids)."""
@@ -40,18 +37,19 @@ class MoE:
     def __init__(
         self,
         w: dict[str, np.ndarray],
-        prefix: str,
         spec: PaddleModel,
         to_device: Callable[[np.ndarray], paddle.Tensor],
     ) -> None:
-        m = prefix + "block_sparse_moe."
+        """`w`: the layer's parts (`router`, `expert.{e}.w1/w2/w3` for this rank's experts)."""
         self.top_k = spec.num_experts_per_tok
-        self.gate = to_device(w[m + "gate.weight"])
-        ids = sorted(int(x.group(1)) for n in w if n.startswith(m) and (x := _EXPERT.search(n)))
+        self.gate = to_device(w["router"])
+        ids = sorted(
+            int(p.split(".")[1]) for p in w if p.startswith("expert.") and p.endswith("w1")
+        )
         self.experts: dict[int, tuple[paddle.Tensor, paddle.Tensor]] = {}
         for e in ids:
-            w13 = np.concatenate([w[f"{m}experts.{e}.w1.weight"], w[f"{m}experts.{e}.w3.weight"]])
-            self.experts[e] = (to_device(w13), to_device(w[f"{m}experts.{e}.w2.weight"]))
+            w13 = np.concatenate([w[f"expert.{e}.w1"], w[f"expert.{e}.w3"]])
+            self.experts[e] = (to_device(w13), to_device(w[f"expert.{e}.w2"]))
 
     def route(self, h: paddle.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Each row's experts `[rows, top_k]` (int) and their renormalised weights (float32)."""

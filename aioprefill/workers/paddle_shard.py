@@ -13,6 +13,9 @@ norms, and a `1/tp` slice of everything else.
   the global argmax (the lowest index among the ranks holding the max, as argmax over the whole
   row would pick) and the log-sum-exp `M + log(sum_r s_r * exp(m_r - M))`.
 
+Weights arrive as `(layer, part, array)` (`aioprefill.workers.weights.iter_weights`); `take`
+slices each as it streams in, and `wants` drops the experts another rank holds.
+
 Expert parallelism (`ep` ranks, one per replica): rank r keeps experts
 `[r*E/ep, (r+1)*E/ep)` and everything else whole; `paddle_moe` exchanges the tokens.
 
@@ -21,8 +24,6 @@ and model-level tests import this module (it imports paddle).
 """
 
 from __future__ import annotations
-
-import re
 
 import numpy as np
 import paddle
@@ -33,13 +34,18 @@ from aioprefill.workers.runner import ForwardBatch
 
 __all__ = ["Shard", "idle_batch"]
 
-_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
-# Name suffix -> axis of the HF [out, in] matrix that tensor parallelism splits.
-_COLUMN_PARALLEL = (
-    *("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight"),
-    *("w1.weight", "w3.weight", "lm_head.weight"),
-)
-_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "w2.weight")
+# Parts (`aioprefill.hf.tensors`) that tensor parallelism splits, by the axis of their HF
+# [out, in] matrix (biases: their only axis): the output rows, or the input columns.
+_COLUMN_PARALLEL = {"q", "k", "v", "gate", "up", "q_bias", "k_bias", "v_bias", "lm_head"}
+_ROW_PARALLEL = {"o", "down"}
+
+
+def _axis(part: str) -> int | None:
+    if part.startswith("expert."):
+        return 1 if part.endswith(".w2") else 0
+    if part in _COLUMN_PARALLEL:
+        return 0
+    return 1 if part in _ROW_PARALLEL else None
 
 
 def _part(a: np.ndarray, axis: int, rank: int, size: int) -> np.ndarray:
@@ -50,7 +56,7 @@ def _part(a: np.ndarray, axis: int, rank: int, size: int) -> np.ndarray:
 
 
 class Shard:
-    """Rank `rank` of a group of `size` running `spec` in `mode` ("tp" or "ep"; None: alone)."""
+    """Rank `rank` of a group of `size` running `spec` in `mode` ("tp" or "ep"; "": alone)."""
 
     def __init__(self, spec: PaddleModel, group: PaddleGroup | None = None, mode: str = "") -> None:
         self.spec = spec
@@ -67,26 +73,21 @@ class Shard:
         first = self.rank * per if self.ep_size > 1 else 0
         return range(first, first + per)
 
-    def select(self, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """This rank's slices of the full model's HF-named weights (the dict is consumed)."""
-        if self.tp_size == 1 and self.ep_size == 1:
-            return weights
-        if self.tp_size > 1 and "lm_head.weight" not in weights:
-            # Tied embeddings: the embedding stays whole, the head is a vocabulary slice of it.
-            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        keep = self.local_experts()
-        out: dict[str, np.ndarray] = {}
-        for name in list(weights):
-            w = weights.pop(name)
-            expert = _EXPERT.search(name)
-            if expert is not None and int(expert.group(1)) not in keep:
-                continue  # another EP rank's expert
-            if self.tp_size > 1 and name.endswith(_COLUMN_PARALLEL):
-                w = _part(w, 0, self.rank, self.tp_size)
-            elif self.tp_size > 1 and name.endswith(_ROW_PARALLEL):
-                w = _part(w, 1, self.rank, self.tp_size)
-            out[name] = w
-        return out
+    def wants(self, part: str) -> bool:
+        """Whether this rank keeps `part` at all (not another EP rank's expert)."""
+        return not part.startswith("expert.") or int(part.split(".")[1]) in self.local_experts()
+
+    def take(self, part: str, w: np.ndarray) -> np.ndarray:
+        """This rank's slice of one of the full model's tensors (all of it alone or under EP)."""
+        axis = _axis(part) if self.tp_size > 1 else None
+        return w if axis is None else _part(w, axis, self.rank, self.tp_size)
+
+    def vocab_rows(self, embed: paddle.Tensor) -> paddle.Tensor:
+        """A tied LM head: this rank's vocabulary slice of the (whole) embedding."""
+        if self.tp_size == 1:
+            return embed
+        step = self.spec.vocab_size // self.tp_size
+        return embed[self.vocab_start : self.vocab_start + step]
 
     def reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """Sum a row-parallel product's partial results over the TP ranks (identity alone)."""

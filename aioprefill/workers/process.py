@@ -167,6 +167,20 @@ class WorkerHandle:
             raise ProtocolError(f"worker {self.index} sent {type(msg).__name__} before Ready")
         return msg
 
+    async def wait_exit(self, timeout: float) -> None:
+        """Wait up to `timeout` s for the process to exit (e.g. after Shutdown), then kill it."""
+        if self.process is None or not self.is_alive():
+            return
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(self.sentinel, set_once, exited)
+        try:
+            await asyncio.wait_for(exited, max(0.0, timeout))
+        except TimeoutError:
+            self.kill()
+        finally:
+            loop.remove_reader(self.sentinel)
+
     def kill(self) -> None:
         """SIGKILL the process if it runs (a no-op once it was reaped or closed)."""
         with contextlib.suppress(ValueError):  # ValueError: the process object was closed

@@ -1,11 +1,17 @@
-"""Llama weights with Hugging Face tensor names: the expected shapes, seeded random weights, and
-reading / writing / checking safetensors checkpoints.
+"""Model weights as NumPy arrays: seeded random weights, and checkpoints (a safetensors file, or
+a Hugging Face directory, single-file or sharded) checked against the spec and streamed.
 
-Names and layouts are those of `transformers`' `LlamaForCausalLM` (linear weights are
-`[out_features, in_features]`), so a real checkpoint of the right size loads as is. Everything
-here is NumPy: the worker's runner moves the arrays onto its device. `PaddleModel(seed=s)` means
-`random_weights(spec, s)`, which tests can call too, so a reference forward shares the weights
-exactly.
+Tensor names are Hugging Face's (`aioprefill.hf.tensors` owns them); the runner receives each
+tensor as `(layer, part, float32 array)` from `iter_weights` and never sees a name.
+`PaddleModel(seed=s)` means `random_weights(spec, s)`, which tests can call too, so a reference
+forward shares the weights exactly.
+
+Checkpoints are read by hand rather than with `safetensors.safe_open`: its NumPy side cannot
+return bfloat16, and it maps each whole file, so a single-file checkpoint's pages stay resident
+until the file closes. Here every file's header is checked first (names, shapes, dtypes, byte
+ranges: a bad checkpoint fails before any tensor is read), then tensors are read one at a time
+with plain reads in file order, so loading holds one tensor (plus the layer being assembled)
+beyond what the device already has, whatever the file or shard sizes.
 """
 
 from __future__ import annotations
@@ -13,70 +19,44 @@ from __future__ import annotations
 import json
 import os
 import struct
-from pathlib import Path
+from collections.abc import Iterator
 
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from aioprefill.config import PaddleModel
-from aioprefill.errors import InvalidConfig
+from aioprefill.hf.tensors import (
+    WeightsError,
+    checkpoint_files,
+    expected_shapes,
+    is_ignored,
+    part_of,
+)
 
 __all__ = [
     "WeightsError",
+    "check_weights",
     "expected_shapes",
+    "iter_weights",
     "load_weights",
     "model_weights",
     "random_weights",
     "save_weights",
 ]
 
-# Older checkpoints store RoPE's inverse frequencies as a buffer; they are recomputed from
-# rope_theta, so these tensors are accepted and ignored.
-_IGNORED_SUFFIX = ".self_attn.rotary_emb.inv_freq"
-
-_FLOAT_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
-
-
-class WeightsError(InvalidConfig):
-    """A checkpoint does not fit the model spec: a tensor is missing, unexpected or mis-shaped,
-    or the file is unreadable. The message names the file and the tensor."""
-
-
-def expected_shapes(spec: PaddleModel) -> dict[str, tuple[int, ...]]:
-    """Every tensor the spec needs, by Hugging Face Llama (or, with experts, Mixtral) name, in a
-    fixed order."""
-    hidden, ffn, vocab = spec.hidden_size, spec.intermediate_size, spec.vocab_size
-    dim = spec.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes[p + "self_attn.q_proj.weight"] = (spec.num_heads * dim, hidden)
-        shapes[p + "self_attn.k_proj.weight"] = (spec.num_kv_heads * dim, hidden)
-        shapes[p + "self_attn.v_proj.weight"] = (spec.num_kv_heads * dim, hidden)
-        shapes[p + "self_attn.o_proj.weight"] = (hidden, spec.num_heads * dim)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-        if spec.num_experts:  # Mixtral's names: w1 gate, w3 up, w2 down
-            m = p + "block_sparse_moe."
-            shapes[m + "gate.weight"] = (spec.num_experts, hidden)
-            for e in range(spec.num_experts):
-                shapes[f"{m}experts.{e}.w1.weight"] = (ffn, hidden)
-                shapes[f"{m}experts.{e}.w2.weight"] = (hidden, ffn)
-                shapes[f"{m}experts.{e}.w3.weight"] = (ffn, hidden)
-            continue
-        shapes[p + "mlp.gate_proj.weight"] = (ffn, hidden)
-        shapes[p + "mlp.up_proj.weight"] = (ffn, hidden)
-        shapes[p + "mlp.down_proj.weight"] = (hidden, ffn)
-    shapes["model.norm.weight"] = (hidden,)
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
+# safetensors dtype -> how its bytes read (BF16: the top half of a float32, decoded below).
+_DTYPES: dict[str, np.dtype] = {
+    "F16": np.dtype("<f2"),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "BF16": np.dtype("<u2"),
+}
+_MAX_HEADER = 100 << 20
 
 
 def random_weights(spec: PaddleModel, seed: int) -> dict[str, np.ndarray]:
     """Seeded float32 weights: matrix entries with mean 0 and std 0.02, norm scales 1 with std
-    0.1, all uniformly distributed (6x faster to draw than normals: ~0.1 s for the tiny model).
+    0.1, biases 0 with std 0.1, all uniformly distributed (6x faster to draw than normals).
 
     The norm scales carry noise on purpose, so a forward that skipped or misapplied one would
     give different results. The same (spec, seed) always gives the same arrays.
@@ -88,11 +68,43 @@ def random_weights(spec: PaddleModel, seed: int) -> dict[str, np.ndarray]:
         w -= 0.5
         if len(shape) == 1:
             w *= 0.1 * np.sqrt(12.0, dtype=np.float32)
-            w += 1.0
+            if not part_of(name)[1].endswith("_bias"):
+                w += 1.0
         else:
             w *= 0.02 * np.sqrt(12.0, dtype=np.float32)
         weights[name] = w
     return weights
+
+
+def iter_weights(spec: PaddleModel) -> Iterator[tuple[int | None, str, np.ndarray]]:
+    """`(layer, part, float32 array)` for every tensor the spec needs, from its checkpoint
+    (checked whole before the first tensor is read) or its seed."""
+    if spec.weights is None:
+        for name, w in random_weights(spec, spec.seed).items():
+            yield (*part_of(name), w)
+        return
+    for source, header, names in _plan(spec.weights, spec):
+        with open(source, "rb") as f:
+            for name in names:
+                yield (*part_of(name), _read(f, source, name, header))
+
+
+def load_weights(path: str | os.PathLike[str], spec: PaddleModel) -> dict[str, np.ndarray]:
+    """A checkpoint (file or directory) as float32 arrays by Hugging Face name, in the order of
+    `expected_shapes`. F32, F16, F64 and BF16 tensors are accepted. Raises `WeightsError`
+    naming the file and the offending tensor."""
+    plan = _plan(path, spec)
+    weights = {}
+    for source, header, names in plan:
+        with open(source, "rb") as f:
+            for name in names:
+                weights[name] = _read(f, source, name, header)
+    return {name: weights[name] for name in expected_shapes(spec)}
+
+
+def check_checkpoint(path: str | os.PathLike[str], spec: PaddleModel) -> None:
+    """Raise `WeightsError` unless the checkpoint holds the spec's tensors (headers only)."""
+    _plan(path, spec)
 
 
 def model_weights(spec: PaddleModel) -> dict[str, np.ndarray]:
@@ -107,9 +119,48 @@ def check_weights(weights: dict[str, np.ndarray], spec: PaddleModel, source: str
     _check_shapes({name: tuple(w.shape) for name, w in weights.items()}, spec, source)
 
 
+def save_weights(path: str | os.PathLike[str], weights: dict[str, np.ndarray]) -> None:
+    """Write `weights` (name -> array) as a safetensors file, arrays made contiguous."""
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.fspath(path))
+
+
+# ---------------------------------------------------------------------- internals
+
+_Header = dict[str, dict]
+
+
+def _plan(path: str | os.PathLike[str], spec: PaddleModel) -> list[tuple[str, _Header, list[str]]]:
+    """Per file: its header and the tensors to read from it, in file order; all checked."""
+    source = os.fspath(path)
+    plan: list[tuple[str, _Header, list[str]]] = []
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, str] = {}
+    for file, assigned in checkpoint_files(source):
+        header = _header(file)
+        names = list(header) if assigned is None else assigned
+        for name in names:
+            if name not in header:
+                raise WeightsError(f"{file}: the shard index puts {name!r} here; it is not")
+            if name in where:
+                raise WeightsError(f"{source}: tensor {name!r} is in {where[name]} and {file}")
+            where[name] = file
+            shapes[name] = tuple(header[name]["shape"])
+        wanted = [n for n in names if not is_ignored(n, spec)]
+        wanted.sort(key=lambda n: header[n]["data_offsets"][0])
+        plan.append((file, header, wanted))
+    _check_shapes(shapes, spec, source)
+    for file, header, names in plan:
+        for name in names:
+            if header[name]["dtype"] not in _DTYPES:
+                raise WeightsError(
+                    f"{file}: tensor {name!r} has dtype {header[name]['dtype']}, need a float type"
+                )
+    return plan
+
+
 def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: PaddleModel, source: str) -> None:
     expected = expected_shapes(spec)
-    names = {n for n in shapes if not n.endswith(_IGNORED_SUFFIX)}
+    names = {n for n in shapes if not is_ignored(n, spec)}
     missing = [n for n in expected if n not in names]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -117,65 +168,48 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: PaddleModel, source:
     unexpected = sorted(names - expected.keys())
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        hint = (
-            "; the spec has tie_word_embeddings=True" if unexpected[0] == "lm_head.weight" else ""
-        )
-        raise WeightsError(f"{source}: unexpected tensor {unexpected[0]!r}{more}{hint}")
+        raise WeightsError(f"{source}: unexpected tensor {unexpected[0]!r}{more}")
     for name, shape in expected.items():
-        got = shapes[name]
-        if got != shape:
+        if shapes[name] != shape:
             raise WeightsError(
-                f"{source}: tensor {name!r} has shape {list(got)}, the spec needs {list(shape)}"
+                f"{source}: tensor {name!r} has shape {list(shapes[name])}, "
+                f"the spec needs {list(shape)}"
             )
 
 
-def load_weights(path: str | os.PathLike[str], spec: PaddleModel) -> dict[str, np.ndarray]:
-    """Read a safetensors checkpoint with Hugging Face Llama names as float32 arrays, checked
-    against the spec (names and shapes) before any tensor data is read.
-
-    F32, F16, F64 and BF16 tensors are accepted. Raises `WeightsError` naming the file and the
-    offending tensor.
-    """
-    source = os.fspath(path)
-    if not Path(source).is_file():
-        raise WeightsError(f"{source}: no such weights file")
-    wanted = expected_shapes(spec)
-    weights: dict[str, np.ndarray] = {}
+def _header(file: str) -> _Header:
+    """A safetensors header: 8-byte little-endian length, then JSON {name: {dtype, shape,
+    data_offsets}} (offsets relative to the data after it). Checked against the file size."""
     try:
-        with safe_open(source, framework="numpy") as f:
-            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
-            _check_shapes({k: tuple(f.get_slice(k).get_shape()) for k in dtypes}, spec, source)
-            for name in wanted:
-                if dtypes[name] not in (*_FLOAT_DTYPES, "BF16"):
-                    raise WeightsError(
-                        f"{source}: tensor {name!r} has dtype {dtypes[name]}, need a float type"
-                    )
-                if dtypes[name] != "BF16":
-                    weights[name] = np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
-    except WeightsError:
-        raise
-    except Exception as exc:  # safetensors raises plain exceptions for corrupt files
-        raise WeightsError(f"{source}: not a readable safetensors file ({exc})") from exc
-    bf16 = [name for name in wanted if dtypes[name] == "BF16"]
-    if bf16:
-        weights.update(_read_bf16(source, bf16))
-    return {name: weights[name] for name in wanted}
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if not 2 <= length <= min(_MAX_HEADER, size - 8):
+                raise ValueError(f"header length {length} does not fit a {size}-byte file")
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            width = _DTYPES[entry["dtype"]].itemsize if entry["dtype"] in _DTYPES else None
+            count = int(np.prod(entry["shape"], dtype=np.int64))
+            if not 0 <= begin <= end <= size - 8 - length:
+                raise ValueError(f"tensor {name!r} lies outside the file")
+            if width is not None and end - begin != count * width:
+                raise ValueError(f"tensor {name!r}: {end - begin} bytes for {count} values")
+            entry["data_offsets"] = [8 + length + begin, 8 + length + end]
+        return header
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise WeightsError(f"{file}: not a readable safetensors file ({exc})") from exc
 
 
-def _read_bf16(source: str, names: list[str]) -> dict[str, np.ndarray]:
-    """Decode BF16 tensors (NumPy has no bfloat16): their bits are a float32's top half."""
-    with open(source, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    data = np.memmap(source, dtype=np.uint8, mode="r", offset=8 + size)
-    out = {}
-    for name in names:
-        begin, end = header[name]["data_offsets"]
-        half = data[begin:end].view("<u2").astype(np.uint32) << 16
-        out[name] = half.view(np.float32).reshape(header[name]["shape"])
-    return out
-
-
-def save_weights(path: str | os.PathLike[str], weights: dict[str, np.ndarray]) -> None:
-    """Write `weights` (name -> array) as a safetensors file, arrays made contiguous."""
-    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.fspath(path))
+def _read(f, source: str, name: str, header: _Header) -> np.ndarray:
+    """One tensor as a float32 array, read with a plain positioned read."""
+    entry = header[name]
+    begin, _ = entry["data_offsets"]
+    raw = np.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
+    f.seek(begin)
+    if f.readinto(raw.reshape(-1).view(np.uint8)) != raw.nbytes:
+        raise WeightsError(f"{source}: tensor {name!r} is truncated")
+    if entry["dtype"] == "BF16":  # NumPy has no bfloat16: its bits are a float32's top half
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw if raw.dtype == np.float32 else raw.astype(np.float32)

@@ -48,8 +48,9 @@ def check_same(got: list[Out], want: list[Out]) -> None:
         SMALL,  # GQA: each rank keeps 2 query heads and the 1 KV head they read
         small(num_kv_heads=4, tie_word_embeddings=True, seed=8),  # MHA, head = embedding slice
         small(deterministic=True, seed=9),  # fixed row tiles still line up across ranks
+        small(attention_bias=True, qk_norm=True, seed=12),  # biases split, per-head norms whole
     ],
-    ids=["gqa", "mha-tied", "deterministic"],
+    ids=["gqa", "mha-tied", "deterministic", "bias-qknorm"],
 )
 def test_tp2_matches_single_rank(spec: PaddleModel) -> None:
     steps = steps_for(spec, seed=spec.seed)

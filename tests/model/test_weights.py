@@ -108,10 +108,18 @@ def test_unexpected_tensor_is_named(tmp_path) -> None:
         load_weights(_save(tmp_path, weights), SMALL)
 
 
-def test_lm_head_with_tied_embeddings_is_unexpected(tmp_path) -> None:
-    path = _save(tmp_path, random_weights(SMALL, 0))
-    with pytest.raises(WeightsError, match=r"'lm_head\.weight'.*tie_word_embeddings"):
-        load_weights(path, small(tie_word_embeddings=True))
+def test_tied_checkpoint_with_a_stored_lm_head_ignores_it(tmp_path) -> None:
+    # transformers ties lm_head to the embedding on load, whatever the file stores.
+    weights = random_weights(SMALL, 0)
+    tied = small(tie_word_embeddings=True)
+    loaded = load_weights(_save(tmp_path, weights), tied)
+    assert "lm_head.weight" not in loaded
+    batch = make_batch(prompts(np.random.default_rng(1), [7, 3], SMALL.vocab_size))
+    with_head = PaddleRunner(small(tie_word_embeddings=True, weights=_save(tmp_path, weights)))
+    del weights["lm_head.weight"]
+    without = PaddleRunner(small(tie_word_embeddings=True, weights=_save(tmp_path, weights)))
+    a, b = with_head.forward(batch), without.forward(batch)
+    assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.logprobs, b.logprobs)
 
 
 def test_misshaped_tensor_is_named(tmp_path) -> None:
@@ -143,6 +151,11 @@ def test_missing_and_corrupt_files(tmp_path) -> None:
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
     with pytest.raises(WeightsError, match="not a readable safetensors file"):
         load_weights(bad, SMALL)
+    good = _save(tmp_path, random_weights(SMALL, 0))
+    with open(good, "r+b") as f:  # cut the last tensor short: its byte range leaves the file
+        f.truncate(f.seek(0, 2) - 4)
+    with pytest.raises(WeightsError, match="lies outside the file"):
+        load_weights(good, SMALL)
 
 
 def test_weights_error_is_an_invalid_config(tmp_path) -> None:

@@ -34,7 +34,7 @@ async def main(mode: str) -> None:
                 i += 1
 
         tasks.add(asyncio.ensure_future(load()))
-        while not all(w.in_flight for w in engine._workers):  # both mid-forward
+        while not all(w.in_flight for w in engine._pool.slots):  # both mid-forward
             await asyncio.sleep(0.005)
         report = {
             "pid": os.getpid(),

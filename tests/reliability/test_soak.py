@@ -30,8 +30,8 @@ async def test_cancel_as_the_answer_lands_keeps_the_books(outcome: str):
     started = time.monotonic()
     async with engine:
         tasks: list[asyncio.Task] = []
-        hook = "_resolve_batch" if outcome == "result" else "_fail_batch"
-        answer = getattr(engine, hook)
+        hook = "resolve" if outcome == "result" else "fail_batch"
+        answer = getattr(engine._outcomes, hook)
 
         def answer_then_cancel(w, batch, msg):  # type: ignore[no-untyped-def]
             answer(w, batch, msg)
@@ -39,7 +39,7 @@ async def test_cancel_as_the_answer_lands_keeps_the_books(outcome: str):
                 for t in tasks:
                     t.cancel()
 
-        setattr(engine, hook, answer_then_cancel)
+        setattr(engine._outcomes, hook, answer_then_cancel)
         first = asyncio.create_task(engine.prefill([1]))  # gathers the rest behind it
         await asyncio.sleep(0.005)
         token = 31002 if outcome == "error" else 5
@@ -52,7 +52,7 @@ async def test_cancel_as_the_answer_lands_keeps_the_books(outcome: str):
         assert stats.completed + stats.failed == 9
         if outcome == "error":
             assert stats.failed == 8
-        delattr(engine, hook)
+        delattr(engine._outcomes, hook)
         assert (await engine.prefill([2])).token == expected_token([2])
     assert time.monotonic() - started < 5  # close() did not wait for phantom requests
 
@@ -91,7 +91,7 @@ async def test_soak_8k_in_process_with_random_cancellations():
         assert stats.failed == 0 and stats.pending == 0 and stats.in_flight == 0
         assert stats.submitted == stats.completed + stats.cancelled
         assert stats.completed >= outcomes["answered"]
-        assert not engine._pending and not any(w.in_flight for w in engine._workers)
+        assert not engine._sched.pending and not any(engine._pool.in_flight_batches())
 
 
 @pytest.mark.slow
@@ -110,3 +110,10 @@ def test_soak_200k_requests_flat_memory():
     assert report["answered"] + report["cancelled"] == 200_000
     assert report["rss_growth_mb"] <= 32
     assert report["ok"] and proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_invariant_checks_are_on_here():
+    """The soak and fault tests run with `Scheduler.checking` (tests/reliability/conftest.py)."""
+    from aioprefill.scheduler import Scheduler
+
+    assert Scheduler.checking

@@ -32,14 +32,14 @@ HEAD, TAIL = 64, 128  # byte offsets of the ring counters (layout: aioprefill/sh
 
 
 def outbox_ring(engine: Engine, index: int = 0) -> str:
-    handle = engine._workers[index].handle
+    handle = engine._pool.slots[index].handle
     assert handle is not None and handle.outbox is not None and handle.outbox.ring is not None
     return handle.outbox.ring.name
 
 
 def wake(engine: Engine, index: int = 0) -> None:
     """Signal the engine as the worker does after writing a frame."""
-    handle = engine._workers[index].handle
+    handle = engine._pool.slots[index].handle
     assert handle is not None and handle.outbox is not None and handle.outbox.data is not None
     handle.outbox.data.notify()
 
@@ -68,7 +68,7 @@ def result(batch_id: int, ids: list[int], tokens: list[int], n_logprobs: int | N
 
 async def stop_mid_forward(engine: Engine, prompts: list[list[int]]):
     """Get `prompts` into one batch in flight on worker 0, then SIGSTOP it mid-forward."""
-    w = engine._workers[0]
+    w = engine._pool.slots[0]
     first = asyncio.create_task(engine.prefill([99]))  # alone: the others gather behind it
     await until(lambda: bool(w.in_flight), what="the first forward")
     stale_batch = w.in_flight[0].batch_id

@@ -218,9 +218,9 @@ async def test_a_worker_dying_while_others_start_is_restarted(monkeypatch):
     engine = Engine(EngineConfig(model=sim(), num_workers=2))
     starting = asyncio.create_task(engine.start())
     try:
-        await until(lambda: engine._workers[0].ready, what="worker 0 ready")
+        await until(lambda: engine._pool.slots[0].ready, what="worker 0 ready")
         kill_worker(engine, 0)
-        await until(lambda: engine._workers[0].handle is None, what="worker 0's death")
+        await until(lambda: engine._pool.slots[0].handle is None, what="worker 0's death")
         gate.set()
         await starting
         await until(lambda: all_ready(engine), timeout=10, what="worker 0 back")
@@ -235,7 +235,7 @@ async def test_close_during_a_restart_leaves_nothing():
     engine = Engine(EngineConfig(model=sim(), num_workers=1))
     async with engine:
         kill_worker(engine, 0)
-        w = engine._workers[0]
+        w = engine._pool.slots[0]
         await until(lambda: w.handle is not None and not w.ready, what="the restart to begin")
         pid = w.handle.pid if w.handle is not None else -1
         started = time.monotonic()

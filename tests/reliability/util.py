@@ -67,12 +67,12 @@ def segments_of(pid: int) -> list[str]:
 
 def all_ready(engine: Engine) -> bool:
     """Every worker is up and serving (a restarting worker has a pid before it is ready)."""
-    return all(w.ready for w in engine._workers)
+    return engine._pool.all_ready()
 
 
 def busy_worker(engine: Engine) -> int | None:
     """Index of a ready worker that has a batch in flight (mid-forward), if any."""
-    for w in engine._workers:
+    for w in engine._pool.slots:
         if w.ready and w.in_flight:
             return w.index
     return None
@@ -80,7 +80,7 @@ def busy_worker(engine: Engine) -> int | None:
 
 def kill_worker(engine: Engine, index: int, sig: int = 9) -> int:
     """Send `sig` to worker `index`; returns its pid."""
-    w = engine._workers[index]
+    w = engine._pool.slots[index]
     assert w.handle is not None
     pid = w.handle.pid
     os.kill(pid, sig)

@@ -1,12 +1,8 @@
-"""The batching policy is pure: plain requests in, a batch out."""
+"""Batch forming is pure: plain requests in, a proposed batch out, no request changed."""
 
-import itertools
 from collections import deque
 
-import numpy as np
-import pytest
-
-from aioprefill.policy import (
+from aioprefill.batching import (
     Budget,
     Request,
     StagedBatch,
@@ -48,24 +44,23 @@ def test_cancelled_requests_are_dropped():
     assert not pending
 
 
-def test_long_prompt_is_chunked_and_pinned():
+def test_long_prompt_is_chunked_and_left_in_place():
     budget = Budget(max_batch_tokens=100, max_batch_size=10)
     long = req(0, 250)
     pending = deque([long])
     first = take_batch(pending, worker=1, budget=budget)
     assert [(c.start, c.end, c.is_last) for c in first] == [(0, 100, False)]
-    assert long.worker == 1 and long.chunk_in_flight and list(pending) == [long]
-    # Another worker cannot take it, nor can anyone while its chunk runs.
-    assert take_batch(pending, worker=0, budget=budget) == []
-    assert take_batch(pending, worker=1, budget=budget) == []
+    assert list(pending) == [long]
+    assert long.next_pos == 0 and long.worker == -1  # take_batch proposes; it changes nothing
+    long.next_pos, long.worker, long.chunk_in_flight = 100, 1, True  # (what Scheduler marks)
+    assert take_batch(pending, worker=0, budget=budget) == []  # pinned elsewhere
+    assert take_batch(pending, worker=1, budget=budget) == []  # its chunk still runs
     long.chunk_in_flight = False
-    assert take_batch(pending, worker=0, budget=budget) == []
-    second = take_batch(pending, worker=1, budget=budget)
-    assert [(c.start, c.end) for c in second] == [(100, 200)]
-    long.chunk_in_flight = False
-    third = take_batch(pending, worker=1, budget=budget)
-    assert [(c.start, c.end, c.is_last) for c in third] == [(200, 250, True)]
-    assert not pending and long.num_chunks == 3
+    assert [(c.start, c.end) for c in take_batch(pending, 1, budget)] == [(100, 200)]
+    long.next_pos = 200
+    last = take_batch(pending, worker=1, budget=budget)
+    assert [(c.start, c.end, c.is_last) for c in last] == [(200, 250, True)]
+    assert not pending
 
 
 def test_short_requests_share_forwards_with_a_long_prompt():
@@ -93,30 +88,6 @@ def test_helpers():
     assert least_loaded([0], [False]) == -1
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_random_traffic_conserves_every_token(seed):
-    rng = np.random.default_rng(seed)
-    print("seed", seed)
-    budget = Budget(max_batch_tokens=64, max_batch_size=8)
-    reqs = [req(i, int(rng.integers(1, 200))) for i in range(200)]
-    pending = deque(reqs)
-    sent: dict[int, list[tuple[int, int]]] = {r.request_id: [] for r in reqs}
-    in_flight = []
-    while pending or in_flight:
-        worker = int(rng.integers(0, 2))
-        for c in in_flight:
-            c.request.chunk_in_flight = False
-        in_flight = take_batch(pending, worker, budget)
-        assert sum(c.num_tokens for c in in_flight) <= budget.max_batch_tokens
-        assert len(in_flight) <= budget.max_batch_size
-        for c in in_flight:
-            sent[c.request.request_id].append((c.start, c.end))
-    for r in reqs:
-        spans = sent[r.request_id]
-        assert spans[0][0] == 0 and spans[-1][1] == r.num_tokens
-        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-
-
 def test_staged_batch_is_what_take_batch_would_pick():
     budget = Budget(max_batch_tokens=30, max_batch_size=3)
     staged = StagedBatch()
@@ -128,12 +99,8 @@ def test_staged_batch_is_what_take_batch_would_pick():
     staged.note_cancelled()
     staged.drop_cancelled()
     assert staged.ids == [0, 2] and staged.num_tokens == 20
-    chunks = staged.commit()
-    assert [(c.request.request_id, c.start, c.end, c.is_last) for c in chunks] == [
-        (0, 0, 10, True),
-        (2, 0, 10, True),
-    ]
-    assert not staged and reqs[0].next_pos == 10
+    assert [r.request_id for r in staged.clear()] == [0, 2]
+    assert not staged and staged.ids == [] and staged.num_tokens == 0
     pending = deque([*reqs[3:], req(9, 100), req(10, 1)])
     staged.refill(pending, budget)
     assert staged.ids == [3, 4]  # stops at the long prompt: FIFO is kept

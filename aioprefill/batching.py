@@ -1,26 +1,15 @@
-"""Batching policy: pure bookkeeping over plain data, no asyncio, no I/O.
+"""Batch forming: pure bookkeeping over plain data, no asyncio, no I/O, no writes to requests.
 
-The engine calls these functions from its event loop; tests call them with plain lists.
+*What* goes into a batch is the same for every dispatch policy (`take_batch`): first come,
+first served within `max_batch_tokens` and `max_batch_size`. A prompt longer than
+`max_batch_tokens` is split into chunks that run over consecutive forwards on one worker group
+(which keeps its KV cache between them). When short requests wait behind such a prompt, they get
+up to half of each forward's token budget, so a 32k-token prompt does not hold everyone behind
+it for its whole duration; alone, it takes the full budget.
 
-When each policy dispatches (the engine decides *when*, from these rules):
-
-- ``forward`` (default): a worker gets a batch the moment its forward ends, holding everything
-  that arrived meanwhile (up to the budgets); an idle worker gets a request at once. At most one
-  batch is in flight per worker, so the batch is formed as late as possible and is as full as
-  the traffic allows.
-- ``eager``: every request is sent alone, as soon as it arrives, to the least-loaded worker,
-  and queues there behind the forwards already sent (how batching worked before forward-aware
-  scheduling).
-- ``timeout``: a batch is sealed when it is full or when its oldest request has waited
-  ``batch_timeout_ms``, and is then sent to the least-loaded worker, queueing behind whatever
-  runs there (the ``@serve.batch`` knob: size or time, whichever comes first).
-
-*What* goes into a batch is the same for all three (`take_batch`): first come, first served
-within `max_batch_tokens` and `max_batch_size`. A prompt longer than `max_batch_tokens` is
-split into chunks that run over consecutive forwards on one worker (which keeps its KV cache
-between them). When short requests wait behind such a prompt, they get up to half of each
-forward's token budget, so a 32k-token prompt does not hold everyone behind it for its whole
-duration; alone, it takes the full budget.
+These functions only *propose*: they never change a `Request`. The `Scheduler` marks a batch's
+requests dispatched once the pool has accepted it, so a full ring needs no rollback of fields.
+`Columns` is the one place where a request's wire columns are produced.
 """
 
 from __future__ import annotations
@@ -29,9 +18,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from aioprefill.protocol import FLAG_FIRST_CHUNK, FLAG_LAST_CHUNK, PrefillBatch, make_prefill_batch
+
 __all__ = [
     "Budget",
     "Chunk",
+    "Columns",
     "Request",
     "StagedBatch",
     "is_full",
@@ -42,16 +34,20 @@ __all__ = [
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One prompt while the engine owns it. `handle` is the engine's own (its future)."""
+    """One prompt while the engine owns it. Only the `Scheduler` writes its fields.
+
+    `handle` is the engine's own (its future). Per-request options belong here and in
+    `Columns`, the one place that turns a request into wire columns.
+    """
 
     request_id: int
     tokens: bytes  # the prompt as int32 little-endian bytes, ready for the wire
     submitted_ns: int
     handle: Any = None
     next_pos: int = 0  # tokens already sent in earlier chunks
-    worker: int = -1  # pinned once a chunk was sent: its KV cache lives on that worker
+    worker: int = -1  # pinned once a chunk was sent: its KV cache lives on that group
     chunk_in_flight: bool = False
-    cancelled: bool = False
+    cancelled: bool = False  # cancelled by its caller, or failed: dropped wherever it is
     num_chunks: int = 0
     attempts: int = 0
     num_tokens: int = field(init=False)
@@ -92,13 +88,64 @@ class Budget:
         return self.chunked and request.num_tokens > self.max_batch_tokens
 
 
-def take_batch(pending: deque[Request], worker: int, budget: Budget) -> list[Chunk]:
-    """Remove and return the next batch for `worker`, first come first served.
+class Columns:
+    """The per-request wire columns of one batch, appended as requests join it.
 
-    Skips (and drops) cancelled requests; skips requests pinned to another worker or whose
+    Whole prompts leave `start_pos`/`flags` as None (the packer fills the constant), so the
+    common case appends two references per request. A new per-request option is one more
+    column here and in `pack`.
+    """
+
+    __slots__ = ("flags", "ids", "num_tokens", "start_pos", "token_parts")
+
+    def __init__(self, *, whole: bool = True) -> None:
+        self.ids: list[int] = []
+        self.token_parts: list[bytes] = []
+        self.start_pos: list[int] | None = None if whole else []
+        self.flags: list[int] | None = None if whole else []
+        self.num_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add_whole(self, req: Request) -> None:
+        self.ids.append(req.request_id)
+        self.token_parts.append(req.tokens)
+        self.num_tokens += req.num_tokens
+
+    def add_chunk(self, req: Request, start: int, end: int) -> None:
+        assert self.start_pos is not None and self.flags is not None
+        self.ids.append(req.request_id)
+        whole = start == 0 and end == req.num_tokens
+        self.token_parts.append(req.tokens if whole else req.tokens[4 * start : 4 * end])
+        self.start_pos.append(start)
+        self.flags.append(
+            (FLAG_FIRST_CHUNK if start == 0 else 0)
+            | (FLAG_LAST_CHUNK if end == req.num_tokens else 0)
+        )
+        self.num_tokens += end - start
+
+    @classmethod
+    def of_chunks(cls, chunks: list[Chunk]) -> Columns:
+        cols = cls(whole=False)
+        for c in chunks:
+            cols.add_chunk(c.request, c.start, c.end)
+        return cols
+
+    def pack(self, batch_id: int, free_ids: list[int], sent_ns: int) -> PrefillBatch:
+        return make_prefill_batch(
+            batch_id, self.ids, self.token_parts, self.start_pos, self.flags, free_ids, sent_ns
+        )
+
+
+def take_batch(pending: deque[Request], worker: int, budget: Budget) -> list[Chunk]:
+    """Remove and return the next batch for group `worker`, first come first served.
+
+    Skips (and drops) cancelled requests; skips requests pinned to another group or whose
     previous chunk is still running, leaving them in place. Stops at the first short request
     that does not fit, so no request is overtaken by a later one of its size class. Requests
-    that are only partly sent stay in `pending`, at their position.
+    whose last chunk is in the batch leave `pending`; the others stay at their position.
+    Changes no request: the caller marks the chunks sent once they are.
     """
     chunks: list[Chunk] = []
     kept: list[Request] = []  # requests looked at but left in the queue, in their order
@@ -126,21 +173,14 @@ def take_batch(pending: deque[Request], worker: int, budget: Budget) -> list[Chu
             kept.append(req)
             break
         chunks.append(Chunk(req, 0, n))
-        req.next_pos = n
-        req.num_chunks = 1
         tokens += n
     if long_req is not None:
         size = min(long_req.remaining, max_tokens - tokens)
         if size > 0:
             start = long_req.next_pos
             chunks.append(Chunk(long_req, start, start + size))
-            long_req.next_pos += size
-            long_req.num_chunks += 1
-            if long_req.remaining == 0:
+            if size == long_req.remaining:
                 kept.remove(long_req)
-            else:
-                long_req.worker = worker
-                long_req.chunk_in_flight = True
     if kept:
         pending.extendleft(reversed(kept))
     return chunks
@@ -155,60 +195,59 @@ class StagedBatch:
     many requests it holds: the per-request bookkeeping happens at arrival, not in the bubble.
     """
 
-    __slots__ = ("_has_cancelled", "ids", "num_tokens", "requests", "token_parts")
+    __slots__ = ("columns", "has_cancelled", "requests")
 
     def __init__(self) -> None:
         self.requests: list[Request] = []
-        self.ids: list[int] = []
-        self.token_parts: list[bytes] = []
-        self.num_tokens = 0
-        self._has_cancelled = False
+        self.columns = Columns()
+        self.has_cancelled = False
 
     def __len__(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_tokens(self) -> int:
+        return self.columns.num_tokens
+
+    @property
+    def ids(self) -> list[int]:
+        return self.columns.ids
+
+    @property
+    def token_parts(self) -> list[bytes]:
+        return self.columns.token_parts
+
     def try_add(self, req: Request, budget: Budget) -> bool:
         """Stage a whole prompt if it is short and fits the budget; False otherwise."""
-        n = req.num_tokens
         if (
             len(self.requests) >= budget.max_batch_size
-            or self.num_tokens + n > budget.max_batch_tokens
+            or self.columns.num_tokens + req.num_tokens > budget.max_batch_tokens
             or budget.is_long(req)
         ):
             return False
         self.requests.append(req)
-        self.ids.append(req.request_id)
-        self.token_parts.append(req.tokens)
-        self.num_tokens += n
+        self.columns.add_whole(req)
         return True
 
     def note_cancelled(self) -> None:
-        self._has_cancelled = True
+        self.has_cancelled = True
 
     def drop_cancelled(self) -> None:
         """Forget cancelled requests (rare, so done lazily, just before the batch is sent)."""
-        if self._has_cancelled:
+        if self.has_cancelled:
             live = [r for r in self.requests if not r.cancelled]
             self.clear()
             self.requests = live
-            self.ids = [r.request_id for r in live]
-            self.token_parts = [r.tokens for r in live]
-            self.num_tokens = sum(r.num_tokens for r in live)
+            for r in live:
+                self.columns.add_whole(r)
 
-    def clear(self) -> None:
-        self.requests, self.ids, self.token_parts = [], [], []
-        self.num_tokens = 0
-        self._has_cancelled = False
-
-    def commit(self) -> list[Chunk]:
-        """The batch was sent: mark its requests dispatched and return them as chunks."""
-        chunks = []
-        for req in self.requests:
-            req.next_pos = req.num_tokens
-            req.num_chunks = 1
-            chunks.append(Chunk(req, 0, req.num_tokens))
-        self.clear()
-        return chunks
+    def clear(self) -> list[Request]:
+        """Empty the batch; return the requests it held."""
+        requests = self.requests
+        self.requests = []
+        self.columns = Columns()
+        self.has_cancelled = False
+        return requests
 
     def refill(self, pending: deque[Request], budget: Budget) -> None:
         """Move whole prompts from the head of `pending` into the batch while they fit."""
@@ -228,7 +267,7 @@ def is_full(num_requests: int, num_tokens: int, budget: Budget) -> bool:
 
 
 def least_loaded(in_flight: list[int], usable: list[bool]) -> int:
-    """The usable worker with the fewest batches in flight (lowest index on ties), or -1."""
+    """The usable group with the fewest batches in flight (lowest index on ties), or -1."""
     best = -1
     for i, (n, ok) in enumerate(zip(in_flight, usable, strict=True)):
         if ok and (best < 0 or n < in_flight[best]):

@@ -1,0 +1,102 @@
+"""The Hugging Face boundary: the only package that knows `config.json` keys (`hf.config`) and
+checkpoint tensor names (`hf.tensors`). `PaddleModel.from_pretrained` lands here."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from aioprefill.config import PaddleModel
+from aioprefill.errors import InvalidConfig
+from aioprefill.hf.config import spec_fields
+from aioprefill.hf.tensors import WeightsError
+
+__all__ = ["WeightsError", "check_spec_against_config", "spec_from_pretrained"]
+
+CONFIG_FILE = "config.json"
+# Fields that decide which function the model computes: from_pretrained takes them from
+# config.json and the checkpoint, never from an override. (Others, such as device, dtype,
+# num_threads, deterministic or max_position_embeddings, may be overridden.)
+_FUNCTION_FIELDS = frozenset(
+    {
+        "architecture",
+        "num_layers",
+        "hidden_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "rope_theta",
+        "rope_type",
+        "rope_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_original_max_position_embeddings",
+        "rms_norm_eps",
+        "attention_bias",
+        "qk_norm",
+        "sliding_window",
+        "tie_word_embeddings",
+        "weights",
+        "seed",
+    }
+)
+
+
+def spec_from_pretrained(path: str | os.PathLike[str], overrides: dict[str, object]) -> PaddleModel:
+    """The `PaddleModel` of a checkpoint directory, `overrides` applied, its tensors checked
+    against it (headers only: nothing is loaded here)."""
+    from aioprefill.workers.weights import check_checkpoint
+
+    directory = Path(os.fspath(path)).resolve()
+    if not directory.is_dir():
+        raise InvalidConfig(f"{os.fspath(path)}: not a checkpoint directory")
+    if not (directory / CONFIG_FILE).is_file():
+        raise InvalidConfig(f"{directory}: no {CONFIG_FILE}")
+    fields = {**spec_fields(_read_config(directory)), "weights": str(directory)}
+    known = set(PaddleModel.__struct_fields__)
+    for name in overrides:
+        if name not in known:
+            raise InvalidConfig(f"PaddleModel.from_pretrained: unknown field {name!r}")
+        if name in _FUNCTION_FIELDS:
+            raise InvalidConfig(
+                f"PaddleModel.from_pretrained: {name} comes from the checkpoint and cannot be "
+                "overridden (it would compute a different function)"
+            )
+    spec = PaddleModel(**{**fields, **overrides})
+    check_checkpoint(str(directory), spec)
+    return spec
+
+
+def check_spec_against_config(spec: PaddleModel) -> None:
+    """For a spec whose `weights` is a directory with a config.json: raise `InvalidConfig`
+    unless every field config.json decides has the value it gives (a hand-written spec that
+    left out, say, rope_theta would otherwise run the checkpoint as a different function)."""
+    if spec.weights is None or not (Path(spec.weights) / CONFIG_FILE).is_file():
+        return
+    directory = Path(spec.weights)
+    for name, value in spec_fields(_read_config(directory)).items():
+        have = getattr(spec, name)
+        if name == "max_position_embeddings":
+            continue  # a limit, not part of the function
+        # A narrower window only refuses more prompts.
+        window = name == "sliding_window" and have is not None and have <= value
+        if have != value and not window:
+            raise InvalidConfig(
+                f"PaddleModel.{name} is {have!r} but {directory / CONFIG_FILE} gives {value!r}; "
+                "use PaddleModel.from_pretrained to read every setting"
+            )
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    config_path = directory / CONFIG_FILE
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidConfig(f"{config_path}: not readable JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise InvalidConfig(f"{config_path}: not a JSON object")
+    return config

@@ -1,0 +1,256 @@
+"""The model specs, `SimModel` and `PaddleModel`: frozen msgspec Structs, validated at
+construction (a bad field raises `InvalidConfig` naming it).
+
+The engine sends a spec to its worker processes msgspec-encoded, never pickled. `EngineConfig`
+(in `aioprefill.config`) holds one of them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Literal
+
+import msgspec
+
+from aioprefill.errors import InvalidConfig
+
+__all__ = ["ARCHITECTURES", "ROPE_TYPES", "ModelSpec", "PaddleModel", "SimModel"]
+
+
+def _require(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise InvalidConfig(f"{name}: {why}")
+
+
+def _positive_int(value: object, name: str, *, allow_zero: bool = False) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool),
+        name,
+        f"must be an int, got {value!r}",
+    )
+    assert isinstance(value, int)
+    _require(
+        value >= (0 if allow_zero else 1), name, f"must be >= {0 if allow_zero else 1}, got {value}"
+    )
+
+
+def _finite_nonneg(value: object, name: str) -> None:
+    _require(
+        isinstance(value, (int, float)) and not isinstance(value, bool),
+        name,
+        f"must be a number, got {value!r}",
+    )
+    assert isinstance(value, (int, float))
+    _require(math.isfinite(value) and value >= 0, name, f"must be finite and >= 0, got {value}")
+
+
+class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
+    """A worker whose forward sleeps `fixed_ms + per_token_us*tokens + attn_ns*sum(len^2)`.
+
+    It returns a deterministic token per request (a CRC32 of the prompt's int32 bytes, modulo
+    `vocab_size`), so tests can check that every result reaches its caller. See
+    `aioprefill.workers.sim.expected_token`.
+    """
+
+    fixed_ms: float = 15.0
+    per_token_us: float = 20.0
+    attn_ns: float = 0.0
+    vocab_size: int = 32000
+    max_position_embeddings: int = 1 << 20
+    # Fault injection for tests and drills: a forward whose batch holds this token id raises
+    # (fail_token), kills its worker process (crash_token), or hangs for an hour (hang_token).
+    fail_token: int = -1
+    crash_token: int = -1
+    hang_token: int = -1
+    # ... and in a group of ranks, rank `slow_rank` answers each batch `slow_rank_ms` after the
+    # step's barrier (a straggler's late answer, for the tensor-parallel race tests).
+    slow_rank: int = -1
+    slow_rank_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_ms", "per_token_us", "attn_ns", "slow_rank_ms"):
+            _finite_nonneg(getattr(self, name), f"SimModel.{name}")
+        _positive_int(self.vocab_size, "SimModel.vocab_size")
+        _positive_int(self.max_position_embeddings, "SimModel.max_position_embeddings")
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this model takes: its max_position_embeddings."""
+        return self.max_position_embeddings
+
+    def forward_seconds(self, seq_lens: list[int]) -> float:
+        """The cost model: how long one forward over these (chunk) lengths sleeps."""
+        tokens = sum(seq_lens)
+        square = sum(n * n for n in seq_lens)
+        return (
+            self.fixed_ms * 1e-3 + self.per_token_us * 1e-6 * tokens + self.attn_ns * 1e-9 * square
+        )
+
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
+    """A Llama-style decoder run by PaddlePaddle inside each worker process.
+
+    `PaddleModel(seed=0)` is the tiny model of the design brief: 4 layers, hidden 256, 8 heads
+    (4 KV heads), FFN 768, vocab 32000, about 19.6 M parameters. `weights=` loads a safetensors
+    file, or a checkpoint directory (`model.safetensors` or a sharded index), with Hugging Face
+    tensor names instead of random initialisation. `PaddleModel.from_pretrained(path)` reads every
+    field from a Hugging Face checkpoint directory's `config.json`.
+
+    The variants a Hugging Face architecture needs are fields: `head_dim` (0: hidden_size //
+    num_heads), `attention_bias` (q/k/v projections with a bias, Qwen2), `qk_norm` (per-head RMSNorm
+    on queries and keys before RoPE, Qwen3), `rope_type` "linear" / "llama3" with its `rope_*`
+    parameters, and `sliding_window` (attention span; prompts longer than it are refused, since
+    the forward computes full causal attention). `architecture` only names what the spec was read
+    from.
+
+    `num_experts > 0` makes every layer's MLP a Mixtral-style mixture of experts: a router
+    (`block_sparse_moe.gate`) picks `num_experts_per_tok` experts per token, each an
+    `intermediate_size` SwiGLU MLP (`block_sparse_moe.experts.{e}.w1/w2/w3`). The spec always
+    describes the whole model; how it is split over ranks is the engine's setting.
+    """
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 0
+    intermediate_size: int = 768
+    vocab_size: int = 32000
+    max_position_embeddings: int = 32768
+    rope_theta: float = 10000.0
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False
+    architecture: str = "LlamaForCausalLM"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    seed: int = 0
+    weights: str | None = None
+    device: Literal["auto", "cpu", "gpu"] = "auto"
+    num_threads: int = 1
+    deterministic: bool = False
+    num_experts: int = 0  # 0: dense MLPs
+    num_experts_per_tok: int = 2
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+            "num_threads",
+            "rope_original_max_position_embeddings",
+        ):
+            _positive_int(getattr(self, name), f"PaddleModel.{name}")
+        _positive_int(self.head_dim, "PaddleModel.head_dim", allow_zero=True)
+        if self.head_dim == 0:
+            _require(
+                self.hidden_size % self.num_heads == 0,
+                "PaddleModel.hidden_size",
+                f"{self.hidden_size} is not divisible by num_heads={self.num_heads} "
+                "(or set head_dim)",
+            )
+            # Resolved once here, so every reader (and every worker) sees the real value.
+            msgspec.structs.force_setattr(self, "head_dim", self.hidden_size // self.num_heads)
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "PaddleModel.num_kv_heads",
+            f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}",
+        )
+        _require(
+            self.head_dim % 2 == 0,
+            "PaddleModel.head_dim",
+            f"must be even for RoPE, got {self.head_dim}",
+        )
+        _finite_nonneg(self.rope_theta, "PaddleModel.rope_theta")
+        _require(self.rope_theta > 0, "PaddleModel.rope_theta", "must be > 0")
+        _require(
+            self.rope_type in ROPE_TYPES,
+            "PaddleModel.rope_type",
+            f"must be one of {', '.join(ROPE_TYPES)}; got {self.rope_type!r}",
+        )
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            _finite_nonneg(getattr(self, name), f"PaddleModel.{name}")
+            _require(getattr(self, name) > 0, f"PaddleModel.{name}", "must be > 0")
+        if self.rope_type == "llama3":
+            _require(
+                self.rope_high_freq_factor > self.rope_low_freq_factor,
+                "PaddleModel.rope_high_freq_factor",
+                f"must exceed rope_low_freq_factor ({self.rope_low_freq_factor}) for llama3 RoPE",
+            )
+        _finite_nonneg(self.rms_norm_eps, "PaddleModel.rms_norm_eps")
+        for name, allowed in (
+            ("dtype", ("float32", "float16", "bfloat16")),
+            ("device", ("auto", "cpu", "gpu")),
+        ):
+            _require(
+                getattr(self, name) in allowed,
+                f"PaddleModel.{name}",
+                f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}",
+            )
+        for name in ("attention_bias", "qk_norm", "tie_word_embeddings", "deterministic"):
+            _require(
+                isinstance(getattr(self, name), bool),
+                f"PaddleModel.{name}",
+                f"must be a bool, got {getattr(self, name)!r}",
+            )
+        if self.sliding_window is not None:
+            _positive_int(self.sliding_window, "PaddleModel.sliding_window")
+        _require(
+            self.architecture in ARCHITECTURES,
+            "PaddleModel.architecture",
+            f"must be one of {', '.join(ARCHITECTURES)}; got {self.architecture!r}",
+        )
+        _require(isinstance(self.seed, int), "PaddleModel.seed", "must be an int")
+        _positive_int(self.num_experts, "PaddleModel.num_experts", allow_zero=True)
+        _positive_int(self.num_experts_per_tok, "PaddleModel.num_experts_per_tok")
+        if self.num_experts:
+            _require(
+                self.num_experts_per_tok <= self.num_experts,
+                "PaddleModel.num_experts_per_tok",
+                f"{self.num_experts_per_tok} exceeds num_experts={self.num_experts}",
+            )
+            _require(
+                not self.deterministic,
+                "PaddleModel.deterministic",
+                "bitwise batch invariance is not implemented for mixture-of-experts layers",
+            )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], **overrides: object) -> PaddleModel:
+        """The spec of a Hugging Face checkpoint directory (`config.json` plus `model.safetensors`
+        or `model.safetensors.index.json` and its shards), with `weights=` set to it.
+
+        `overrides` replace fields (`device="cpu"`, `dtype="bfloat16"`, `num_threads=4`, ...)
+        and show on the returned spec. An architecture, RoPE type, quantization or any other
+        config key that would change the forward and is not implemented raises `InvalidConfig`
+        naming the key; so do tensors that do not fit (checked from the file headers).
+        """
+        from aioprefill.hf import spec_from_pretrained
+
+        return spec_from_pretrained(path, overrides)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this model computes exactly: its positions, and its sliding window
+        (longer prompts would need the window's mask, which the forward does not apply)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+
+ModelSpec = SimModel | PaddleModel

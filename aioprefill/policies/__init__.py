@@ -1,0 +1,36 @@
+"""Dispatch policies: *when* a batch goes and *to which* worker group, one class per policy.
+
+The engine picks one from `EngineConfig.policy` at construction (`make_policy`), so no event
+branches on the policy's name. A policy answers three events, "a request arrived", "a group's
+forward is done" and "my timer fired", by choosing groups; the `Scheduler` forms each batch and
+the pool (`Groups.send`) writes it. A policy holds no request state, touches no ring, fd or
+timer handle, and runs as well against a fake pool of plain data (tests/policies/).
+"""
+
+from __future__ import annotations
+
+from aioprefill.policies.base import DispatchPolicy, Groups, Timer
+from aioprefill.policies.eager import EagerPolicy
+from aioprefill.policies.forward import ForwardPolicy
+from aioprefill.policies.timeout import TimeoutPolicy
+
+__all__ = [
+    "DispatchPolicy",
+    "EagerPolicy",
+    "ForwardPolicy",
+    "Groups",
+    "TimeoutPolicy",
+    "Timer",
+    "policy_class",
+]
+
+_POLICIES: dict[str, type[DispatchPolicy]] = {
+    "forward": ForwardPolicy,
+    "eager": EagerPolicy,
+    "timeout": TimeoutPolicy,
+}
+
+
+def policy_class(name: str) -> type[DispatchPolicy]:
+    """The policy called `name` (a name `EngineConfig` validated)."""
+    return _POLICIES[name]

@@ -1,0 +1,293 @@
+"""`Scheduler`: the pending queue, the staged batch and the request counters. No asyncio.
+
+It is the only code that changes a `Request` and the only writer of the three counters, whose
+meaning `check_invariants()` spells out:
+
+- `num_pending`: accepted requests not cancelled whose prompt is not fully dispatched (each is
+  in `pending` or in the staged batch); `pending_tokens`: the tokens they still have to send;
+- `num_in_flight`: accepted requests whose caller still waits (pending, or in some batch).
+
+A dispatch policy decides *where* and *when* a batch goes; the scheduler forms it (`dispatch`,
+`dispatch_alone`), hands its columns to the pool (`BatchSink.send`) and marks its requests
+sent only once the pool took it, so a full ring needs no rollback of request fields.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, ClassVar, Protocol
+
+from aioprefill.batching import Budget, Chunk, Columns, Request, StagedBatch, take_batch
+
+__all__ = ["BatchSink", "InFlight", "Scheduler"]
+
+
+class InFlight(Protocol):
+    """A batch the pool accepted; the scheduler fills in its chunks."""
+
+    chunks: list[Chunk]
+
+
+class BatchSink(Protocol):
+    """Where formed batches go: the `WorkerPool`, or a fake one in tests."""
+
+    def send(self, group: int, columns: Columns, *, backlogged: bool) -> InFlight | None:
+        """Write one batch to every rank of `group`; None (nothing written) if a ring is full."""
+        ...
+
+
+class Scheduler:
+    # After every engine event, check the invariants (tests turn this on; off costs one lookup).
+    checking: ClassVar[bool] = os.environ.get("AIOPREFILL_CHECK_INVARIANTS", "") == "1"
+
+    def __init__(self, budget: Budget, *, staging: bool) -> None:
+        self.budget = budget
+        self.staging = staging  # policy "forward": keep the next batch's columns ready
+        self.pending: deque[Request] = deque()
+        self.staged = StagedBatch()
+        self.num_pending = 0
+        self.pending_tokens = 0
+        self.num_in_flight = 0
+        self._ids = itertools.count(1)
+
+    # ---- arrivals and departures ----------------------------------------------------------
+
+    def submit(self, tokens: bytes, submitted_ns: int, handle: Any) -> Request:
+        """Accept a prompt: it joins the staged batch (head of the queue) or the queue."""
+        req = Request(next(self._ids), tokens, submitted_ns, handle)
+        if not (self.staging and not self.pending and self.staged.try_add(req, self.budget)):
+            self.pending.append(req)
+        self.num_pending += 1
+        self.pending_tokens += req.num_tokens
+        self.num_in_flight += 1
+        return req
+
+    def cancel(self, req: Request) -> int:
+        """The caller went away: drop `req` wherever it is (it leaves the queue lazily).
+
+        Returns the group holding its KV cache between two chunks (to be freed), else -1.
+        """
+        req.cancelled = True
+        self.num_in_flight -= 1
+        if req.next_pos < req.num_tokens:
+            self.num_pending -= 1
+            self.pending_tokens -= req.remaining
+            if req.next_pos == 0:
+                self.staged.note_cancelled()  # it may be staged: dropped before the next send
+        if req.worker >= 0 and 0 < req.next_pos < req.num_tokens and not req.chunk_in_flight:
+            return req.worker
+        return -1
+
+    def drop(self, req: Request) -> None:
+        """`req` failed: forget any part still queued (the engine fails its caller)."""
+        if req.next_pos < req.num_tokens and not req.cancelled:
+            self.num_pending -= 1
+            self.pending_tokens -= req.remaining
+            if req.next_pos == 0:
+                self.staged.note_cancelled()
+        req.cancelled = True
+
+    def finish(self, count: int) -> None:
+        """`count` callers got their answer or their error."""
+        self.num_in_flight -= count
+
+    # ---- dispatch -------------------------------------------------------------------------
+
+    def dispatch(self, group: int, sink: BatchSink, *, backlogged: bool) -> bool:
+        """Send the next FCFS batch for `group`: the staged one if any (O(1) before the write)."""
+        staged = self.staged
+        if staged.requests:
+            if staged.has_cancelled:
+                staged.drop_cancelled()
+            if staged.requests:
+                batch = sink.send(group, staged.columns, backlogged=backlogged)
+                if batch is None:
+                    return False
+                batch.chunks = self._commit_staged(staged)
+                return True
+        chunks = take_batch(self.pending, group, self.budget)
+        if not chunks:
+            return False
+        batch = sink.send(group, Columns.of_chunks(chunks), backlogged=backlogged)
+        if batch is None:
+            for c in reversed(chunks):  # put back what take_batch removed
+                if c.is_last:
+                    self.pending.appendleft(c.request)
+            return False
+        batch.chunks = chunks
+        self._mark_sent(chunks, group)
+        return True
+
+    def _commit_staged(self, staged: StagedBatch) -> list[Chunk]:
+        num_tokens = staged.num_tokens
+        requests = staged.clear()
+        chunks = []
+        for req in requests:
+            req.next_pos = req.num_tokens
+            req.num_chunks = 1
+            chunks.append(Chunk(req, 0, req.num_tokens))
+        self.num_pending -= len(requests)
+        self.pending_tokens -= num_tokens
+        staged.refill(self.pending, self.budget)
+        return chunks
+
+    def _mark_sent(self, chunks: list[Chunk], group: int) -> None:
+        for c in chunks:
+            req = c.request
+            req.next_pos = c.end
+            req.num_chunks += 1
+            self.pending_tokens -= c.end - c.start
+            if c.end == req.num_tokens:
+                self.num_pending -= 1
+            else:
+                req.worker = group
+                req.chunk_in_flight = True
+
+    def head(self) -> Request | None:
+        """The first live request in the queue (cancelled ones at the head are dropped)."""
+        pending = self.pending
+        while pending:
+            req = pending[0]
+            if not req.cancelled:
+                return req
+            pending.popleft()
+        return None
+
+    def dispatch_alone(
+        self, req: Request, group: int, sink: BatchSink, *, backlogged: bool
+    ) -> bool:
+        """Send the rest of `req` (the queue's head) to `group`, each chunk its own batch.
+
+        On a full ring `req` stays at the head, from its first unsent chunk: False.
+        """
+        pending = self.pending
+        pending.popleft()
+        n = req.num_tokens
+        size = self.budget.max_batch_tokens if self.budget.is_long(req) else n
+        while req.next_pos < n:
+            start = req.next_pos
+            end = min(start + size, n)
+            cols = Columns(whole=False)
+            cols.add_chunk(req, start, end)
+            batch = sink.send(group, cols, backlogged=backlogged)
+            backlogged = True  # the next chunk queues behind this one
+            if batch is None:
+                pending.appendleft(req)
+                return False
+            chunk = Chunk(req, start, end)
+            batch.chunks = [chunk]
+            req.next_pos = end
+            req.num_chunks += 1
+            self.pending_tokens -= end - start
+            if end == n:
+                self.num_pending -= 1
+            else:
+                req.worker = group  # the rest must follow on the same group
+        return True
+
+    def oldest_waiting_ns(self) -> int | None:
+        """Submission time of the oldest request that could ride the next batch."""
+        if self.staged.requests:
+            return self.staged.requests[0].submitted_ns
+        for r in self.pending:
+            if not r.cancelled and not r.chunk_in_flight:
+                return r.submitted_ns
+        return None
+
+    # ---- answers and deaths ---------------------------------------------------------------
+
+    def release(self, chunks: list[Chunk]) -> int:
+        """A batch's forward ended: a prompt it carried a middle chunk of may send its next.
+
+        O(1): only a batch's last chunk can be a non-final one (`take_batch` appends the long
+        prompt's chunk last; eager batches hold one chunk). Returns the id of a cancelled
+        prompt whose KV cache the group must now drop, else -1.
+        """
+        if chunks:
+            c = chunks[-1]
+            req = c.request
+            if c.end != req.num_tokens and c.end == req.next_pos:  # its latest chunk
+                req.chunk_in_flight = False
+                if req.cancelled:
+                    return req.request_id
+        return -1
+
+    def pinned_to(self, group: int) -> list[Request]:
+        """Queued requests whose KV cache lives on `group` (between two chunks)."""
+        return [r for r in self.pending if r.worker == group and not r.cancelled]
+
+    def retry(self, req: Request) -> bool:
+        """Send `req` again from its first token; True if the caller must requeue it."""
+        req.attempts += 1
+        queued = req.next_pos < req.num_tokens  # still in `pending`, at its place
+        if not queued:
+            self.num_pending += 1
+        self.pending_tokens += req.next_pos  # its tokens all go again
+        req.next_pos = 0
+        req.worker = -1
+        req.chunk_in_flight = False
+        req.num_chunks = 0
+        return not queued
+
+    def requeue_first(self, requests: list[Request]) -> None:
+        """Put retried requests at the head, before the staged ones (they are older)."""
+        if not requests:
+            return
+        if self.staged.requests:
+            self.pending.extendleft(reversed(self.staged.clear()))
+        self.pending.extendleft(reversed(requests))
+
+    def drain(self) -> list[Request]:
+        """Empty the queue and the staged batch; return the live requests they held."""
+        requests = [r for r in (*self.staged.clear(), *self.pending) if not r.cancelled]
+        self.pending.clear()
+        return requests
+
+    # ---- invariants -----------------------------------------------------------------------
+
+    def check_invariants(self, in_flight: Iterable[InFlight]) -> None:
+        """Recount everything from the queue, the staged batch and the pool's batches.
+
+        One quick pass (it runs after every event in the soak and fault tests); the detailed
+        report is built only once something is off.
+        """
+        ids: set[int] = set()
+        tokens = 0
+        well_formed = True
+        for r in itertools.chain(self.staged.requests, self.pending):
+            if r.cancelled:
+                continue
+            ids.add(r.request_id)
+            tokens += r.num_tokens - r.next_pos
+            if not 0 <= r.next_pos < r.num_tokens or (r.chunk_in_flight and r.worker < 0):
+                well_formed = False
+        queued = len(ids)
+        for batch in in_flight:
+            chunks = batch.chunks
+            if len(chunks) > 1 and any(c.end != c.request.num_tokens for c in chunks[:-1]):
+                well_formed = False  # a middle chunk must ride last: `release` relies on it
+            for c in chunks:
+                r = c.request
+                if c.end > r.next_pos:
+                    well_formed = False
+                if r.cancelled or r.request_id in ids:
+                    continue
+                h = r.handle  # live unless the engine resolved it (a cancel is the caller's)
+                if h is None or not h.done() or h.cancelled():
+                    ids.add(r.request_id)
+        if (
+            not well_formed
+            or self.num_pending != queued
+            or self.pending_tokens != tokens
+            or self.num_in_flight != len(ids)
+            or any(r.next_pos or r.worker >= 0 for r in self.staged.requests)
+        ):
+            raise AssertionError(
+                f"scheduler invariants broken: num_pending {self.num_pending} (recounted "
+                f"{queued}), pending_tokens {self.pending_tokens} ({tokens}), num_in_flight "
+                f"{self.num_in_flight} ({len(ids)}), well formed: {well_formed}; queue: "
+                f"{list(itertools.chain(self.staged.requests, self.pending))!r:.2000}"
+            )
