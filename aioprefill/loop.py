@@ -76,7 +76,8 @@ class Engine:
         )
         self._pool = WorkerPool(config, self._stats, events)
         self._timer = LoopTimer(self._on_timer)
-        policy = policy_class(config.policy)  # chosen once: no event branches on its name
+        # chosen once: no event branches on its name
+        policy = policy_class(config.policy, expert_parallel=config.expert_parallel)
         self._sched = Scheduler(budget, staging=policy.staging)
         self._outcomes = Outcomes(self._sched, self._pool, self._stats)
         self._recovery = Recovery(self._sched, self._outcomes, config.max_retries)
@@ -120,7 +121,7 @@ class Engine:
         if self._state in (_State.CLOSING, _State.CLOSED):
             return
         self._state = _State.CLOSING
-        self._pool.restarts_allowed = False
+        self._pool.restarts.allowed = False
         if drain and self._sched.num_in_flight and self._broken is None:
             self._idle_waiter = asyncio.get_running_loop().create_future()
             with contextlib.suppress(TimeoutError):
