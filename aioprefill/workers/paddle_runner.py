@@ -50,7 +50,7 @@ from aioprefill.hf.tensors import layer_parts  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend  # noqa: E402
 from aioprefill.workers.paddle_moe import MoE  # noqa: E402
-from aioprefill.workers.paddle_shard import Shard, idle_batch  # noqa: E402
+from aioprefill.workers.paddle_shard import Shard  # noqa: E402
 from aioprefill.workers.rope import rope_inv_freq  # noqa: E402
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402
 from aioprefill.workers.weights import iter_weights  # noqa: E402
@@ -178,7 +178,7 @@ class PaddleRunner:
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one packed batch; results for the requests whose `is_last` is set, in order."""
-        if self._shard.ep_size > 1 and not self._ep_check(batch):
+        if self._shard.ep_size > 1 and not self._shard.in_step(batch, self._check, self._forward):
             return ForwardOutput(*(np.empty(0, dtype=t) for t in (np.int64, np.int32, np.float64)))
         self._check(batch)
         try:
@@ -201,21 +201,6 @@ class PaddleRunner:
         return len(self._cache)
 
     # ------------------------------------------------------------------ internals
-
-    def _ep_check(self, batch: ForwardBatch) -> bool:
-        """parallel: an expert-parallel rank must take part in every step's collectives, even
-        with no work (an empty batch) or with a batch it refuses. False: nothing to run."""
-        try:
-            if batch.size:
-                self._check(batch)
-                return True
-        except ValueError:
-            with paddle.no_grad():
-                self._forward(idle_batch())
-            raise
-        with paddle.no_grad():
-            self._forward(idle_batch())
-        return False
 
     def _mlp(self, h: paddle.Tensor, layer: _Layer) -> paddle.Tensor:
         """The dense SwiGLU MLP, or the layer's mixture of experts (partial sums under TP)."""

@@ -25,6 +25,8 @@ and model-level tests import this module (it imports paddle).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import paddle
 
@@ -88,6 +90,27 @@ class Shard:
             return embed
         step = self.spec.vocab_size // self.tp_size
         return embed[self.vocab_start : self.vocab_start + step]
+
+    def in_step(
+        self,
+        batch: ForwardBatch,
+        check: Callable[[ForwardBatch], None],
+        run: Callable[[ForwardBatch], object],
+    ) -> bool:
+        """An expert-parallel rank takes part in every step's collectives, even with no work
+        (an empty batch) or with a batch `check` refuses (ValueError, re-raised after): then it
+        `run`s one padding token. True: the batch is good, run it."""
+        try:
+            if batch.size:
+                check(batch)
+                return True
+        except ValueError:
+            with paddle.no_grad():
+                run(idle_batch())
+            raise
+        with paddle.no_grad():
+            run(idle_batch())
+        return False
 
     def reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """Sum a row-parallel product's partial results over the TP ranks (identity alone)."""
