@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from aioprefill.outputs import option_columns
 from aioprefill.protocol import FLAG_FIRST_CHUNK, FLAG_LAST_CHUNK, PrefillBatch, make_prefill_batch
 
 __all__ = [
@@ -50,6 +51,7 @@ class Request:
     cancelled: bool = False  # cancelled by its caller, or failed: dropped wherever it is
     num_chunks: int = 0
     attempts: int = 0
+    outputs: Any = None  # aioprefill.outputs.Outputs, when the caller asked for more than a token
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -93,16 +95,18 @@ class Columns:
 
     Whole prompts leave `start_pos`/`flags` as None (the packer fills the constant), so the
     common case appends two references per request. A new per-request option is one more
-    column here and in `pack`.
+    column here and in `pack`. Output options (`aioprefill.outputs`) are kept sparse, as
+    (position, Outputs) for the requests that have any: None while nobody in the batch does.
     """
 
-    __slots__ = ("flags", "ids", "num_tokens", "start_pos", "token_parts")
+    __slots__ = ("flags", "ids", "num_tokens", "outputs", "start_pos", "token_parts")
 
     def __init__(self, *, whole: bool = True) -> None:
         self.ids: list[int] = []
         self.token_parts: list[bytes] = []
         self.start_pos: list[int] | None = None if whole else []
         self.flags: list[int] | None = None if whole else []
+        self.outputs: list[tuple[int, Any]] | None = None
         self.num_tokens = 0
 
     def __len__(self) -> int:
@@ -112,6 +116,13 @@ class Columns:
         self.ids.append(req.request_id)
         self.token_parts.append(req.tokens)
         self.num_tokens += req.num_tokens
+        if req.outputs is not None:
+            self._add_outputs(req.outputs)
+
+    def _add_outputs(self, outputs: Any) -> None:
+        if self.outputs is None:
+            self.outputs = []
+        self.outputs.append((len(self.ids) - 1, outputs))
 
     def add_chunk(self, req: Request, start: int, end: int) -> None:
         assert self.start_pos is not None and self.flags is not None
@@ -124,6 +135,8 @@ class Columns:
             | (FLAG_LAST_CHUNK if end == req.num_tokens else 0)
         )
         self.num_tokens += end - start
+        if req.outputs is not None:
+            self._add_outputs(req.outputs)
 
     @classmethod
     def of_chunks(cls, chunks: list[Chunk]) -> Columns:
@@ -133,8 +146,16 @@ class Columns:
         return cols
 
     def pack(self, batch_id: int, free_ids: list[int], sent_ns: int) -> PrefillBatch:
+        options = None if self.outputs is None else option_columns(len(self.ids), self.outputs)
         return make_prefill_batch(
-            batch_id, self.ids, self.token_parts, self.start_pos, self.flags, free_ids, sent_ns
+            batch_id,
+            self.ids,
+            self.token_parts,
+            self.start_pos,
+            self.flags,
+            free_ids,
+            sent_ns,
+            options,
         )
 
 

@@ -66,6 +66,9 @@ class EngineConfig:
     tp_size: int = 1
     # All replicas form one expert-parallel group that steps in lockstep (MoE experts sharded).
     expert_parallel: bool = False
+    # Shared memory that KV exports (return_kv=True) may hold: requests in flight plus handles
+    # not yet closed. Past it, return_kv requests raise KVBudgetExceeded.
+    max_kv_export_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         _require(
@@ -125,6 +128,7 @@ class EngineConfig:
         check_parallel(
             self.model, self.num_workers, self.tp_size, self.expert_parallel, self.policy
         )
+        _positive_int(self.max_kv_export_bytes, "EngineConfig.max_kv_export_bytes", allow_zero=True)
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(
@@ -136,7 +140,9 @@ class EngineConfig:
 
     def min_ring_capacity(self) -> int:
         """Bytes one full batch frame can take: int32 tokens + per-request columns + slack."""
-        per_request = 8 + 4 + 4 + 4 + 1  # request id, offset, start position, prompt length, flags
+        # request id, offset, start position, prompt length, flags; output options, top_k and
+        # a KV export's segment name (~50 bytes of msgpack str) when a request asks for them.
+        per_request = 8 + 4 + 4 + 4 + 1 + 1 + 4 + 64
         return 4 * self.max_batch_tokens + per_request * (self.max_batch_size + 1) + 4096
 
     def effective_ring_capacity(self) -> int:

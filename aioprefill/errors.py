@@ -5,7 +5,9 @@ AioprefillError
 ├── InvalidRequest(ValueError)        a prompt was refused before anything was queued
 │   └── InvalidRequestType(TypeError) ... because of its type (not a list/1-D int array)
 ├── EngineOverloaded                  max_pending requests already wait
+│   └── KVBudgetExceeded              open KV exports fill max_kv_export_bytes
 ├── EngineClosed(RuntimeError)        the engine is closing or closed
+├── KVExportClosed(ValueError)        a KV export handle was used after close()
 ├── WorkerCrashed                     the worker running the request died (after retries)
 ├── WorkerStartFailed                 a worker could not start (or keeps dying)
 ├── ForwardFailed(RuntimeError)       the model raised inside a forward; carries its message
@@ -24,6 +26,8 @@ __all__ = [
     "InvalidConfig",
     "InvalidRequest",
     "InvalidRequestType",
+    "KVBudgetExceeded",
+    "KVExportClosed",
     "ProtocolError",
     "WorkerCrashed",
     "WorkerStartFailed",
@@ -50,8 +54,16 @@ class EngineOverloaded(AioprefillError):
     """`max_pending` requests are already waiting; retry later or use `wait=True`."""
 
 
+class KVBudgetExceeded(EngineOverloaded):
+    """A `return_kv` request would pass `max_kv_export_bytes`: close some `KVExport`s first."""
+
+
 class EngineClosed(AioprefillError, RuntimeError):
     """The engine is closing or closed; it never reopens."""
+
+
+class KVExportClosed(AioprefillError, ValueError):
+    """A `KVExport` was read after `close()` (or after its engine closed)."""
 
 
 class WorkerCrashed(AioprefillError):

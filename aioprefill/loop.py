@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import time
 from collections import deque
 from typing import Any
@@ -25,7 +26,9 @@ from typing import Any
 from aioprefill.batching import Budget, Request
 from aioprefill.config import EngineConfig
 from aioprefill.errors import AioprefillError, EngineClosed, EngineOverloaded, WorkerStartFailed
+from aioprefill.kv import KVExports
 from aioprefill.outcomes import Outcomes
+from aioprefill.outputs import parse_outputs
 from aioprefill.policies import policy_class
 from aioprefill.protocol import BatchFailed, BatchResult
 from aioprefill.recovery import Recovery
@@ -79,7 +82,8 @@ class Engine:
         # chosen once: no event branches on its name
         policy = policy_class(config.policy, expert_parallel=config.expert_parallel)
         self._sched = Scheduler(budget, staging=policy.staging)
-        self._outcomes = Outcomes(self._sched, self._pool, self._stats)
+        self._kv = KVExports(config.model, config.max_kv_export_bytes)
+        self._outcomes = Outcomes(self._sched, self._pool, self._stats, self._kv)
         self._recovery = Recovery(self._sched, self._outcomes, config.max_retries)
         self._policy = policy(
             self._sched, self._pool, self._timer, batch_timeout_ms=config.batch_timeout_ms
@@ -128,21 +132,45 @@ class Engine:
                 await asyncio.wait_for(self._idle_waiter, self.config.shutdown_timeout_s)
         self._fail_everything(EngineClosed("engine closed before this request finished"))
         await self._pool.close(timeout=5.0)
+        self._kv.close_all()
         self._timer.cancel()
         self._state = _State.CLOSED
 
     # ---- public API ----------------------------------------------------------------------
 
-    async def prefill(self, tokens: Any, *, wait: bool = False) -> PrefillResult:
+    async def prefill(
+        self,
+        tokens: Any,
+        *,
+        wait: bool = False,
+        prompt_logprobs: bool = False,
+        top_k: int = 0,
+        embed: str | None = None,
+        normalize: bool = False,
+        return_kv: bool = False,
+    ) -> PrefillResult:
         """Run the prefill of one prompt; return its greedy next token and timings.
 
-        Raises `InvalidRequest` for a bad prompt and, past `max_pending` waiting requests,
-        `EngineOverloaded` — or, with `wait=True`, waits for room instead.
+        Output options (each computed only for the requests that ask): `prompt_logprobs`
+        (float32[n-1]), `top_k` alternatives at the last position, `embed="last"|"mean"`
+        (final-norm hidden state; `normalize=True` for unit L2 norm), `return_kv` (a
+        `KVExport` handle on `result.kv`: close it when done; see docs/kv-export.md).
+
+        Raises `InvalidRequest` for a bad prompt or option and, past `max_pending` waiting
+        requests, `EngineOverloaded` — or, with `wait=True`, waits for room instead;
+        `KVBudgetExceeded` when KV exports fill `max_kv_export_bytes`.
         """
         submitted_ns = time.monotonic_ns()  # TTFT counts any wait for room below
         self._check_open()
-        prompt = validate_prompt(
-            tokens, self.config.model.vocab_size, self.config.max_prompt_tokens or 0
+        vocab_size = self.config.model.vocab_size
+        prompt = validate_prompt(tokens, vocab_size, self.config.max_prompt_tokens or 0)
+        outputs = parse_outputs(
+            prompt_logprobs=prompt_logprobs,
+            top_k=top_k,
+            embed=embed,
+            normalize=normalize,
+            return_kv=return_kv,
+            vocab_size=vocab_size,
         )
         sched = self._sched
         if sched.num_pending >= self.config.max_pending:
@@ -155,7 +183,10 @@ class Engine:
             await self._wait_for_room()
         assert self._loop is not None
         future: asyncio.Future[PrefillResult] = self._loop.create_future()
-        req = sched.submit(prompt, submitted_ns, future)
+        if outputs is not None and return_kv:  # KVBudgetExceeded: nothing queued
+            outputs.kv = self._kv.reserve(len(prompt) >> 2)
+            future.add_done_callback(functools.partial(self._kv.settle, outputs.kv))
+        req = sched.submit(prompt, submitted_ns, future, outputs)
         self._stats.submitted += 1
         self._policy.on_arrival()
         self._after_event()

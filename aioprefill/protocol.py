@@ -30,9 +30,11 @@ __all__ = [
     "PrefillBatch",
     "Ready",
     "Shutdown",
+    "Spilled",
     "StartFailed",
     "ToWorker",
     "WorkerSpec",
+    "decode_batch_result",
     "decode_from_worker",
     "decode_to_worker",
     "decode_worker_spec",
@@ -44,6 +46,13 @@ __all__ = [
 # Flags per request in PrefillBatch.flags
 FLAG_LAST_CHUNK = 1  # this chunk ends the prompt: compute the result, then free its state
 FLAG_FIRST_CHUNK = 2  # this chunk starts the prompt: no state exists yet
+
+# Output options per request in PrefillBatch.options (on every chunk of the prompt)
+OPT_PROMPT_LOGPROBS = 1  # log-probability of every prompt token given the ones before it
+OPT_EMBED_LAST = 2  # final-norm hidden state of the last token
+OPT_EMBED_MEAN = 4  # mean of the final-norm hidden states over the prompt's tokens
+OPT_NORMALIZE = 8  # L2-normalise the embedding
+OPT_RETURN_KV = 16  # write the prompt's K/V into the shared-memory segment named in kv_names
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +87,8 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
     start_pos: int32[n], position of the chunk's first token in its prompt (0 unless chunked);
     flags: uint8[n], FLAG_* bits. `free_ids`: int64[m], requests whose cached state
     (chunked prefill KV) must be dropped before this forward (cancelled or failed).
+    Output options (empty when no request in the batch has any): options: uint8[n], OPT_* bits;
+    top_k: int32[n]; kv_names: one segment name per request with OPT_RETURN_KV, batch order.
     """
 
     batch_id: int
@@ -88,6 +99,9 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
     flags: bytes
     free_ids: bytes = b""
     sent_ns: int = 0
+    options: bytes = b""
+    top_k: bytes = b""
+    kv_names: list[str] = msgspec.field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -112,6 +126,27 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
         if n and start_pos.min() < 0:
             raise ProtocolError("PrefillBatch.start_pos has a negative position")
         return ids, offsets, tokens, start_pos, flags
+
+    def option_arrays(self) -> tuple[np.ndarray | None, np.ndarray | None, tuple[str, ...]]:
+        """(options, top_k, kv_names), validated; None for a column the batch left empty."""
+        n = self.size
+        options = top_k = None
+        if self.options:
+            if len(self.options) != n:
+                raise ProtocolError(
+                    f"PrefillBatch.options has {len(self.options)} entries, not {n}"
+                )
+            options = np.frombuffer(self.options, dtype=np.uint8)
+        if self.top_k:
+            if len(self.top_k) != 4 * n:
+                raise ProtocolError(f"PrefillBatch.top_k is not {n} int32")
+            top_k = np.frombuffer(self.top_k, dtype="<i4")
+            if top_k.min() < 0:
+                raise ProtocolError("PrefillBatch.top_k has a negative entry")
+        wants_kv = 0 if options is None else int(np.count_nonzero(options & OPT_RETURN_KV))
+        if wants_kv != len(self.kv_names):
+            raise ProtocolError(f"{wants_kv} requests want their KV but {len(self.kv_names)} named")
+        return options, top_k, tuple(self.kv_names)
 
     def free_array(self) -> np.ndarray:
         if len(self.free_ids) % 8:
@@ -150,7 +185,11 @@ class StartFailed(msgspec.Struct, tag=True, array_like=True):
 class BatchResult(msgspec.Struct, tag=True, array_like=True):
     """A forward finished. Results only for requests whose last chunk was in the batch.
 
-    request_ids: int64[k]; tokens: int32[k]; logprobs: float64[k].
+    request_ids: int64[k]; tokens: int32[k]; logprobs: float64[k]. The output options' columns
+    hold entries only for the requests that asked, back to back in batch order (the engine
+    knows who asked and how many values each gets): top_k_ids int32 / top_k_logprobs float32
+    (top_k per finished request); prompt_logprobs float32 (end - max(start, 1) per chunk, last
+    or not); embeddings float32 (embed_dim per finished request).
     """
 
     batch_id: int
@@ -159,6 +198,11 @@ class BatchResult(msgspec.Struct, tag=True, array_like=True):
     request_ids: bytes
     tokens: bytes
     logprobs: bytes
+    top_k_ids: bytes = b""
+    top_k_logprobs: bytes = b""
+    prompt_logprobs: bytes = b""
+    embeddings: bytes = b""
+    embed_dim: int = 0
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = len(self.request_ids) // 8
@@ -183,6 +227,15 @@ class BatchDone(msgspec.Struct, tag=True, array_like=True):
     forward_end_ns: int
 
 
+class Spilled(msgspec.Struct, tag=True, array_like=True):
+    """A `BatchResult` too large for the result ring, encoded into shared-memory segment `name`
+    (`size` bytes) instead; the engine decodes it from there and unlinks the segment."""
+
+    batch_id: int
+    name: str
+    size: int
+
+
 class BatchFailed(msgspec.Struct, tag=True, array_like=True):
     """The model raised during this batch's forward; every request in it fails."""
 
@@ -193,7 +246,7 @@ class BatchFailed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-FromWorker = Ready | StartFailed | BatchResult | BatchDone | BatchFailed
+FromWorker = Ready | StartFailed | BatchResult | BatchDone | Spilled | BatchFailed
 
 
 def make_prefill_batch(
@@ -204,12 +257,14 @@ def make_prefill_batch(
     flags: list[int] | None,
     free_ids: list[int],
     sent_ns: int,
+    options: tuple[bytes, bytes, list[str]] | None = None,
 ) -> PrefillBatch:
     """Pack per-request columns into a PrefillBatch (`token_parts`: int32 bytes per request).
 
     `start_pos` / `flags` None mean every request is a whole prompt. `struct.pack` over Python
     ints beats building NumPy arrays for the small batches that dominate the hot path, and
-    costs a few microseconds for a 256-request batch.
+    costs a few microseconds for a 256-request batch. `options`: the (options, top_k,
+    kv_names) columns from `aioprefill.outputs.option_columns`, None when nobody asked.
     """
     n = len(request_ids)
     offsets = [0]
@@ -217,7 +272,7 @@ def make_prefill_batch(
     for part in token_parts:
         total += len(part) >> 2
         offsets.append(total)
-    return PrefillBatch(
+    msg = PrefillBatch(
         batch_id=batch_id,
         request_ids=struct.pack(f"<{n}q", *request_ids),
         offsets=struct.pack(f"<{n + 1}i", *offsets),
@@ -227,6 +282,9 @@ def make_prefill_batch(
         free_ids=struct.pack(f"<{len(free_ids)}q", *free_ids) if free_ids else b"",
         sent_ns=sent_ns,
     )
+    if options is not None:
+        msg.options, msg.top_k, msg.kv_names = options
+    return msg
 
 
 _WHOLE_PROMPT = bytes([FLAG_FIRST_CHUNK | FLAG_LAST_CHUNK])
@@ -235,6 +293,7 @@ _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _from_worker = msgspec.msgpack.Decoder(FromWorker)
 _spec_decoder = msgspec.msgpack.Decoder(WorkerSpec)
+_batch_result = msgspec.msgpack.Decoder(BatchResult)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -260,8 +319,13 @@ def decode_to_worker(data: bytes | memoryview) -> PrefillBatch | Shutdown:
 
 def decode_from_worker(
     data: bytes | memoryview,
-) -> Ready | StartFailed | BatchResult | BatchDone | BatchFailed:
+) -> Ready | StartFailed | BatchResult | BatchDone | Spilled | BatchFailed:
     return _decode(_from_worker, data, "worker->engine")
+
+
+def decode_batch_result(data: bytes | memoryview) -> BatchResult:
+    """A spilled `BatchResult`, read from its segment."""
+    return _decode(_batch_result, data, "spilled result")
 
 
 def decode_worker_spec(data: bytes) -> WorkerSpec:

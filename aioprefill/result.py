@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
+
+from aioprefill.kv import KVExport
 
 __all__ = ["PrefillResult"]
 
@@ -13,6 +16,13 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     Every `*_ns` field is `time.monotonic_ns()`; workers run on the same machine and share that
     clock, so differences across fields are meaningful. For a chunked prompt the batch fields
     describe the batch that carried its last chunk.
+
+    The output options' fields are None unless asked for: `prompt_logprobs` float32[n-1]
+    (log-probability of prompt token i given tokens < i, i = 1..n-1); `top_k_ids` int32[k] and
+    `top_k_logprobs` float32[k] at the last position, best first; `embedding` float32[hidden]
+    (the final-norm hidden state of the last token, or its mean over the prompt's tokens,
+    L2-normalised with `normalize=True`); `kv`, a `KVExport` handle (`with r.kv as kv:
+    kv.keys, kv.values`) to close when done. The arrays are read-only.
     """
 
     request_id: int
@@ -29,6 +39,11 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     forward_start_ns: int
     forward_end_ns: int
     finished_ns: int
+    prompt_logprobs: np.ndarray | None = None
+    top_k_ids: np.ndarray | None = None
+    top_k_logprobs: np.ndarray | None = None
+    embedding: np.ndarray | None = None
+    kv: KVExport | None = None
 
     @property
     def ttft_ns(self) -> int:

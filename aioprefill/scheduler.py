@@ -56,9 +56,10 @@ class Scheduler:
 
     # ---- arrivals and departures ----------------------------------------------------------
 
-    def submit(self, tokens: bytes, submitted_ns: int, handle: Any) -> Request:
-        """Accept a prompt: it joins the staged batch (head of the queue) or the queue."""
-        req = Request(next(self._ids), tokens, submitted_ns, handle)
+    def submit(self, tokens: bytes, submitted_ns: int, handle: Any, outputs: Any = None) -> Request:
+        """Accept a prompt: it joins the staged batch (head of the queue) or the queue.
+        `outputs`: its `aioprefill.outputs.Outputs`, when it asked for more than a token."""
+        req = Request(next(self._ids), tokens, submitted_ns, handle, outputs=outputs)
         if not (self.staging and not self.pending and self.staged.try_add(req, self.budget)):
             self.pending.append(req)
         self.num_pending += 1

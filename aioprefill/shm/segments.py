@@ -60,24 +60,32 @@ def owner_pid(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def create_segment(name: str, size: int) -> mmap.mmap:
+def create_segment(name: str, size: int, *, track: bool = True, prefault: bool = True) -> mmap.mmap:
     """Create segment `name` (mode 0600, must not exist), map it, pre-fault every page.
 
-    The segment is registered with the resource tracker (see the module docstring). On any
-    failure the segment is removed again before the exception propagates.
+    The segment is registered with the resource tracker (see the module docstring) unless
+    `track` is False: a worker writing a segment that the engine will own (a KV export) leaves
+    that to the engine. `prefault=False` skips touching every page, for a segment written once
+    right away. On any failure the segment is removed again before the exception propagates.
     """
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-    resource_tracker.register("/" + name, "shared_memory")
+    if track:
+        resource_tracker.register("/" + name, "shared_memory")
     try:
         try:
             os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask
             os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if prefault else 0))
         finally:
             os.close(fd)
-        _prefault(mm)
+        if prefault:
+            _prefault(mm)
     except BaseException:
-        unlink_segment(name)
+        if track:
+            unlink_segment(name)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                _posixshmem.shm_unlink("/" + name)
         raise
     return mm
 

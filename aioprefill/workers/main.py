@@ -30,8 +30,10 @@ from aioprefill.protocol import (
     PrefillBatch,
     Ready,
     Shutdown,
+    Spilled,
     StartFailed,
 )
+from aioprefill.shm import spill
 from aioprefill.shm.channel import Channel
 from aioprefill.workers.group import EXIT_GROUP_BROKEN, CollectiveError
 from aioprefill.workers.runner import ForwardBatch, ModelRunner
@@ -139,6 +141,7 @@ def _serve_batches(
     else:
         poller.register(engine_fd, select.POLLIN)
     out_buffer = bytearray(1 << 16)
+    spill_above = spill.threshold(outbox.max_frame)
     # Tensor-parallel ranks > 0 computed the same results as rank 0: they only acknowledge.
     acknowledge_only = spec.parallel == "tp" and spec.rank > 0
     try:
@@ -154,10 +157,22 @@ def _serve_batches(
                     inbox.release()
                 if isinstance(msg, Shutdown):
                     return
-                reply: BatchResult | BatchDone | BatchFailed = _run_batch(runner, msg)
-                if acknowledge_only and isinstance(reply, BatchResult):
-                    reply = BatchDone(reply.batch_id, reply.forward_start_ns, reply.forward_end_ns)
-                outbox.send_blocking(protocol.encode_into(reply, out_buffer))
+                answer: BatchResult | BatchDone | BatchFailed = _run_batch(runner, msg)
+                if acknowledge_only and isinstance(answer, BatchResult):
+                    answer = BatchDone(
+                        answer.batch_id, answer.forward_start_ns, answer.forward_end_ns
+                    )
+                reply = protocol.encode_into(answer, out_buffer)
+                try:
+                    if len(reply) > spill_above:  # big outputs: a segment, not the ring
+                        name = spill.spill(reply, spec.engine_pid)
+                        outbox.send_blocking(
+                            protocol.encode(Spilled(msg.batch_id, name, len(reply)))
+                        )
+                    else:
+                        outbox.send_blocking(reply)
+                finally:
+                    reply.release()  # out_buffer may grow for the next reply
     finally:
         if engine_fd >= 0:
             os.close(engine_fd)
@@ -169,6 +184,7 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
     start_ns = time.monotonic_ns()
     try:
         ids, offsets, tokens, start_pos, flags = msg.arrays()
+        options, top_k, kv_names = msg.option_arrays()
         if msg.free_ids:
             runner.free(msg.free_array())
         batch = ForwardBatch(
@@ -177,6 +193,9 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
             tokens=tokens,
             start_pos=start_pos,
             is_last=(flags & protocol.FLAG_LAST_CHUNK).view(np.bool_),
+            options=options,
+            top_k=top_k,
+            kv_names=kv_names,
         )
         out = runner.forward(batch)
         end_ns = time.monotonic_ns()
@@ -201,4 +220,13 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
         request_ids=np.ascontiguousarray(out.request_ids, dtype="<i8").tobytes(),
         tokens=np.ascontiguousarray(out.tokens, dtype="<i4").tobytes(),
         logprobs=np.ascontiguousarray(out.logprobs, dtype="<f8").tobytes(),
+        top_k_ids=_column(out.top_k_ids, "<i4"),
+        top_k_logprobs=_column(out.top_k_logprobs, "<f4"),
+        prompt_logprobs=_column(out.prompt_logprobs, "<f4"),
+        embeddings=_column(out.embeddings, "<f4"),
+        embed_dim=int(out.embeddings.shape[1]) if out.embeddings.size else 0,
     )
+
+
+def _column(array: np.ndarray, dtype: str) -> bytes:
+    return np.ascontiguousarray(array, dtype=dtype).tobytes() if array.size else b""

@@ -1,4 +1,5 @@
-"""Causal grouped-query attention for one sequence of a packed batch, and its KV state.
+"""Causal grouped-query attention for one sequence of a packed batch, its KV state, and the
+copy of that state into a KV export segment.
 
 Each sequence attends on its own: one score matrix per sequence costs sum(len^2), where one
 block-diagonal mask over the batch would cost tokens^2. The shapes of a sequence's products
@@ -10,10 +11,14 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-__all__ = ["KVCache", "attend"]
+from aioprefill.workers.kv_writer import KVSegmentWriter
+from aioprefill.workers.paddle_head import host
+
+__all__ = ["KVCache", "attend", "export_layer"]
 
 # Queries run in blocks of at most this many rows. A block scores only the keys it can see,
 # which skips about half the work of a long causal prompt, and only its diagonal square needs
@@ -91,3 +96,24 @@ def attend(
         probs = F.softmax(scores, axis=-1).reshape([kv_heads, group * rows, seen + rows])
         outs.append(paddle.matmul(probs, values[:, : seen + rows]).reshape([heads, rows, dim]))
     return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)
+
+
+def export_layer(
+    writer: KVSegmentWriter,
+    layer: int,
+    cache: KVCache,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    begin: int,
+    end: int,
+) -> None:
+    """Copy one layer's keys (after RoPE) and values of one request into its export segment:
+    the earlier chunks' from its cache, this chunk's from the batch-wide tensors."""
+    past_k, past_v = cache.keys[layer], cache.values[layer]
+    past = 0
+    if past_k is not None and past_v is not None:
+        past = past_k.shape[1]
+        np.copyto(writer.keys[layer, :, :past], host(past_k))
+        np.copyto(writer.values[layer, :, :past], host(past_v))
+    np.copyto(writer.keys[layer, :, past:], host(k[:, begin:end]))
+    np.copyto(writer.values[layer, :, past:], host(v[:, begin:end]))

@@ -47,8 +47,11 @@ from paddle.incubate.nn.functional import fused_rms_norm  # noqa: E402
 from aioprefill.config import PaddleModel  # noqa: E402
 from aioprefill.errors import InvalidConfig  # noqa: E402
 from aioprefill.hf.tensors import layer_parts  # noqa: E402
+from aioprefill.kv import kv_layout  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
-from aioprefill.workers.paddle_attention import KVCache, attend  # noqa: E402
+from aioprefill.workers.kv_writer import KVSegmentWriter, open_writers  # noqa: E402
+from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
+from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle_moe import MoE  # noqa: E402
 from aioprefill.workers.paddle_shard import Shard  # noqa: E402
 from aioprefill.workers.rope import rope_inv_freq  # noqa: E402
@@ -173,6 +176,11 @@ class PaddleRunner:
             self._cos, self._sin = self._rope_tables(spec.max_position_embeddings)
         self._cache: dict[int, KVCache] = {}
         self._deterministic = spec.deterministic
+        tile = _HEAD_TILE_ROWS if spec.deterministic else None
+        self._outputs = OutputHead(
+            self._lm_head, self._norm, spec.rms_norm_eps, tile_rows=tile, shard=self._shard
+        )
+        self._exports: dict[int, KVSegmentWriter] = {}  # KV exports the running forward writes
 
     # ------------------------------------------------------------------ public interface
 
@@ -188,12 +196,18 @@ class PaddleRunner:
             # attend() extends a request's cache layer by layer: after a failure part-way the
             # layers disagree, so the batch's chunked requests cannot continue.
             self.free(batch.request_ids)
+            for writer in self._exports.values():
+                writer.discard()
             raise
+        finally:
+            self._exports = {}
 
     def free(self, request_ids: np.ndarray) -> None:
         """Drop the KV state kept for these requests (unknown ids are ignored)."""
-        for rid in np.asarray(request_ids).tolist():
-            self._cache.pop(int(rid), None)
+        rids = [int(rid) for rid in np.asarray(request_ids).tolist()]
+        for rid in rids:
+            self._cache.pop(rid, None)
+        self._outputs.free(rids)
 
     @property
     def num_cached(self) -> int:
@@ -316,6 +330,7 @@ class PaddleRunner:
             for rid, start in zip(request_ids, batch.start_pos.tolist(), strict=True)
         ]
         bounds = list(itertools.pairwise(offsets.tolist()))
+        exports = self._exports = open_writers(batch, kv_layout(spec))
         eps = spec.rms_norm_eps
         for index, layer in enumerate(self._layers):
             h = fused_rms_norm(x, layer.in_norm, None, eps, 1)[0]
@@ -336,6 +351,8 @@ class PaddleRunner:
             qk = qk * cos + paddle.roll(qk, dim // 2, axis=-1) * sin
             q = qk[:heads].reshape([kv_heads, heads // kv_heads, rows, dim])
             k, v = qk[heads:], qkv[qk_heads:]
+            for i, writer in exports.items():  # before attend() extends the cache
+                export_layer(writer, index, caches[i], k, v, *bounds[i])
             outs = [
                 attend(q, k, v, a, b, cache, index, keep=not last)
                 for (a, b), cache, last in zip(bounds, caches, is_last, strict=True)
@@ -354,39 +371,13 @@ class PaddleRunner:
             else:
                 cache.length = end
                 self._cache[rid] = cache
-        return self._head(x, batch, offsets)
+        out = self._head(x, batch, offsets)
+        for writer in exports.values():
+            writer.close()
+        return out
 
     def _head(self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray) -> ForwardOutput:
-        """Greedy token and its log-probability after each finished request's last token."""
-        done = np.flatnonzero(batch.is_last)
-        if len(done) == 0:
-            empty = np.empty(0, dtype=np.int64)
-            return ForwardOutput(empty, empty.astype(np.int32), empty.astype(np.float64))
-        rows = self._padded(len(done), _HEAD_TILE_ROWS)
-        last = np.zeros(rows, dtype=np.int64)
-        last[: len(done)] = offsets[done + 1] - 1
-        h = paddle.gather(x, paddle.to_tensor(last))
-        # deterministic: the whole head (its reductions too, whose rounding also depends on the
-        # row count) runs on fixed [_HEAD_TILE_ROWS, ...] shapes.
-        tiles = paddle.split(h, rows // _HEAD_TILE_ROWS) if self._deterministic else [h]
-        results = [self._greedy(tile) for tile in tiles]
-        tokens = paddle.concat([t for t, _ in results]).numpy()[: len(done)]
-        logprobs = paddle.concat([lp for _, lp in results]).numpy()[: len(done)]
-        return ForwardOutput(
-            request_ids=batch.request_ids[done].astype(np.int64),
-            tokens=tokens.astype(np.int32),
-            logprobs=logprobs.astype(np.float64),
-        )
-
-    def _greedy(self, h: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """argmax token and its log-probability, -log(sum(exp(logits - top))): each term is in
-        (0, 1], so a float32 sum loses ~1e-7 (paddle's float64 logsumexp took 3x longer, and
-        its CPU log_softmax is pathologically slow)."""
-        h = fused_rms_norm(h, self._norm, None, self.spec.rms_norm_eps, 1)[0]
-        logits = paddle.matmul(h, self._lm_head, transpose_y=True).astype("float32")
-        if self._shard.tp_size > 1:  # parallel: this rank holds a vocabulary slice
-            return self._shard.greedy(logits)
-        token = paddle.argmax(logits, axis=-1, keepdim=True)
-        top = paddle.take_along_axis(logits, token, axis=-1)
-        total = paddle.exp(logits - top).sum(axis=-1)
-        return token.squeeze(-1), -paddle.log(total.astype("float64"))
+        """Greedy token and log-probability of each finished request, plus the outputs its
+        options ask for: `paddle_head.OutputHead` (`offsets` are `batch.offsets`)."""
+        del offsets
+        return self._outputs(x, batch)

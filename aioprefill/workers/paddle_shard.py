@@ -8,10 +8,11 @@ norms, and a `1/tp` slice of everything else.
   `[r*F/tp, (r+1)*F/tp)`, as do the experts' w1/w3.
 - o and down (and the experts' w2) are row-parallel: the matching columns, so each rank's
   product is a partial sum, and one all_reduce per block (`reduce`) adds them up.
-- The LM head is vocab-parallel: rank r keeps rows `[r*V/tp, (r+1)*V/tp)` and computes its
-  logits' max, first argmax and sum(exp(logit - max)); one all_gather of those triples gives
-  the global argmax (the lowest index among the ranks holding the max, as argmax over the whole
-  row would pick) and the log-sum-exp `M + log(sum_r s_r * exp(m_r - M))`.
+- The LM head is vocab-parallel: rank r keeps rows `[r*V/tp, (r+1)*V/tp)` and runs the head's
+  per-row reductions on its slice (max, first argmax, log-sum-exp, top-k, a target's logit);
+  one all_gather of those per tile gives the global argmax (the lowest index among the ranks
+  holding the max, as argmax over the whole row), the log-sum-exp
+  `M + log(sum_r exp(lse_r - M))`, the top-k of all candidates and the target's logit.
 
 Weights arrive as `(layer, part, array)` (`aioprefill.workers.weights.iter_weights`); `take`
 slices each as it streams in, and `wants` drops the experts another rank holds.
@@ -26,6 +27,7 @@ and model-level tests import this module (it imports paddle).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import paddle
@@ -119,24 +121,47 @@ class Shard:
         assert self.group is not None
         return self.group.all_reduce(x)
 
-    def greedy(self, logits: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Vocab-parallel greedy token and its log-probability from this rank's logits
-        `[rows, V/tp]` (float32): one all_gather of (max, argmax, sum(exp(logit - max)))."""
+    def head_rows(
+        self,
+        logits: paddle.Tensor,
+        kmax: int,
+        targets: np.ndarray | None,
+        rows_of: Callable[[paddle.Tensor, int, np.ndarray | None], Any],
+    ) -> Any:
+        """The head's per-row results (`paddle_head._Rows`: argmax id, its logit, log-sum-exp,
+        top-k, target logits) over the whole vocabulary, from this rank's logits [rows, V/tp]:
+        `rows_of` runs on the local slice, then one all_gather of every rank's candidates
+        joins them. The argmax is the lowest id among the ranks holding the max (as over the
+        whole row); the log-sum-exp is max + log(sum_r exp(lse_r - max)); top-k ties keep the
+        lower id; a target's logit comes from the rank that holds it."""
         assert self.group is not None
-        token = paddle.argmax(logits, axis=-1, keepdim=True)
-        top = paddle.take_along_axis(logits, token, axis=-1)
-        total = paddle.exp(logits - top).sum(axis=-1, keepdim=True)
-        triple = [top, token + self.vocab_start, total]
-        mine = paddle.concat([t.astype("float64") for t in triple], axis=-1)
-        every = self.group.all_gather(mine).numpy()  # [tp, rows, 3]
-        tops, tokens, totals = every[..., 0], every[..., 1], every[..., 2]
-        best = tops.max(axis=0)
-        winner = np.argmax(tops == best, axis=0)  # first rank holding the max: lowest index
-        rows = np.arange(tops.shape[1])
-        lse = np.log((totals * np.exp(tops - best)).sum(axis=0))
-        return (
-            paddle.to_tensor(tokens[winner, rows].astype(np.int64)),
-            paddle.to_tensor(-lse),
+        v0, width = self.vocab_start, int(logits.shape[1])
+        inside = None
+        if targets is not None:
+            inside = (targets >= v0) & (targets < v0 + width)
+            targets = np.where(inside, targets - v0, 0)
+        mine = rows_of(logits, kmax, targets)
+        picked = (
+            np.zeros(len(mine.ids)) if inside is None else np.where(inside, mine.picked, -np.inf)
+        )
+        k = mine.top_vals.shape[1]
+        columns = [mine.ids + v0, mine.best, mine.lse, picked]
+        packed = np.column_stack([*columns, mine.top_vals, mine.top_ids + v0]).astype(np.float64)
+        every = self.group.all_gather(paddle.to_tensor(packed)).numpy()  # [tp, rows, 4 + 2k]
+        best = every[..., 1].max(axis=0)
+        winner = np.argmax(every[..., 1] == best, axis=0)  # first rank: the lowest id
+        rows = np.arange(every.shape[1])
+        lse = best + np.log(np.exp(every[..., 2] - best).sum(axis=0))
+        vals = every[..., 4 : 4 + k].transpose(1, 0, 2).reshape(len(rows), -1)
+        ids = every[..., 4 + k :].transpose(1, 0, 2).reshape(len(rows), -1)
+        order = np.lexsort((ids, -vals), axis=-1)[:, :k]
+        return type(mine)(
+            every[winner, rows, 0].astype(np.int64),
+            best,
+            lse,
+            np.take_along_axis(vals, order, axis=-1).astype(np.float32),
+            np.take_along_axis(ids, order, axis=-1).astype(np.int32),
+            None if inside is None else every[..., 3].max(axis=0),
         )
 
 

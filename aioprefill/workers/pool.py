@@ -22,8 +22,9 @@ from aioprefill import protocol
 from aioprefill.batching import Columns
 from aioprefill.config import EngineConfig
 from aioprefill.errors import ProtocolError
+from aioprefill.outputs import unspill
 from aioprefill.parallel import ParallelLayout
-from aioprefill.protocol import BatchDone, BatchFailed, BatchResult
+from aioprefill.protocol import BatchDone, BatchFailed, BatchResult, Spilled
 from aioprefill.recovery import RestartBackoff
 from aioprefill.stats import StatsRecorder
 from aioprefill.workers.answers import forward_done, pop_done, record_answer
@@ -236,6 +237,8 @@ class WorkerPool:
                     continue
                 finally:
                     outbox.release()
+                if isinstance(msg, Spilled):  # a result too big for the ring
+                    msg = self._unspill(slot, msg)
                 if isinstance(msg, (BatchResult, BatchDone, BatchFailed)):
                     self._on_answer(slot, rank, msg)
                 else:
@@ -243,6 +246,15 @@ class WorkerPool:
                     log.warning("worker %d sent an unexpected %s", slot.index, type(msg).__name__)
             if slot.ranks is not ranks:
                 return
+
+    def _unspill(self, slot: WorkerSlot, msg: Spilled) -> BatchResult | BatchFailed:
+        try:
+            return unspill(msg)
+        except ProtocolError as exc:
+            self._stats.protocol_errors += 1
+            log.warning("worker %d: %s", slot.index, exc)
+            now = time.monotonic_ns()
+            return BatchFailed(msg.batch_id, now, now, "ProtocolError", str(exc))
 
     def _on_answer(
         self, slot: WorkerSlot, rank: int, msg: BatchResult | BatchDone | BatchFailed

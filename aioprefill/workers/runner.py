@@ -4,16 +4,31 @@ A `ForwardBatch` holds requests back to back (no padding). A request may be one 
 longer prompt: `start_pos > 0` means earlier chunks were run by this same worker and the runner
 kept their state (the KV cache); `is_last` says the chunk ends the prompt, so the runner returns
 a result for it and drops its state. `SimRunner` and `PaddleRunner` implement this.
+
+Output options ride along per request (`options`: `OPT_*` bits from `aioprefill.protocol`,
+`top_k`, `kv_names`) on every chunk of a prompt; a runner computes only what was asked:
+
+- prompt log-probabilities: one float32 per token of the chunk that has a predecessor
+  (`end - max(start, 1)` values), for every chunk, so the engine assembles a chunked prompt's;
+- top-k, embeddings and the KV export: once, with the chunk that ends the prompt.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from aioprefill.protocol import OPT_RETURN_KV
+
 __all__ = ["ForwardBatch", "ForwardOutput", "ModelRunner"]
+
+_NO_NAMES: tuple[str, ...] = ()
+
+
+def _empty(dtype: str) -> np.ndarray:
+    return np.empty(0, dtype=dtype)
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,6 +38,10 @@ class ForwardBatch:
     tokens: np.ndarray  # int32[offsets[-1]]
     start_pos: np.ndarray  # int32[n]; position of each chunk's first token in its prompt
     is_last: np.ndarray  # bool[n]; chunk ends its prompt: produce a result, free its state
+    options: np.ndarray | None = None  # uint8[n] of OPT_* bits; None: no options anywhere
+    top_k: np.ndarray | None = None  # int32[n]; None: 0 for every request
+    # One shared-memory segment name per request with OPT_RETURN_KV, in batch order.
+    kv_names: tuple[str, ...] = _NO_NAMES
 
     @property
     def size(self) -> int:
@@ -30,6 +49,20 @@ class ForwardBatch:
 
     def seq_lens(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    def has(self, bit: int) -> np.ndarray:
+        """bool[n]: which requests asked for option `bit`."""
+        if self.options is None:
+            return np.zeros(self.size, dtype=bool)
+        return (self.options & bit) != 0
+
+    def kv_name_of(self) -> dict[int, str]:
+        """Batch index -> KV export segment name, for the requests with OPT_RETURN_KV."""
+        wants = np.flatnonzero(self.has(OPT_RETURN_KV)).tolist()
+        return dict(zip(wants, self.kv_names, strict=True))
+
+    def top_k_of(self) -> np.ndarray:
+        return np.zeros(self.size, dtype=np.int32) if self.top_k is None else self.top_k
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,6 +72,13 @@ class ForwardOutput:
     request_ids: np.ndarray  # int64[k]
     tokens: np.ndarray  # int32[k]; greedy next token
     logprobs: np.ndarray  # float64[k]; log-probability of that token
+    # Finished requests with top_k > 0, back to back in batch order, best first.
+    top_k_ids: np.ndarray = field(default_factory=lambda: _empty("int32"))
+    top_k_logprobs: np.ndarray = field(default_factory=lambda: _empty("float32"))
+    # Every chunk with OPT_PROMPT_LOGPROBS, back to back in batch order (last or not).
+    prompt_logprobs: np.ndarray = field(default_factory=lambda: _empty("float32"))
+    # float32[m, dim]: finished requests with an OPT_EMBED_* bit, in batch order.
+    embeddings: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.float32))
 
 
 class ModelRunner(Protocol):

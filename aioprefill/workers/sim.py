@@ -5,6 +5,11 @@ for scheduling experiments. Its token for a prompt is a CRC32 of the prompt's in
 modulo the vocabulary, computed incrementally across chunks, so the result of a chunked prompt
 equals the unchunked one and tests can check each caller got its own answer.
 
+The output options get synthetic but deterministic values, each a function of the prompt
+alone (so batch- and chunk-invariant), with the shapes and types a real model gives: the
+`sim_*` functions below say what a `SimModel` worker returns; the KV export has the shape of
+`aioprefill.kv.SIM_KV_LAYOUT` and the embedding `SIM_EMBED_DIM` values.
+
 As a rank of a tensor- or expert-parallel group it meets its peers at a real barrier after
 every forward (`SocketBarrier`), so a step costs what the slowest rank costs and a rank that
 skips a step blocks the others, as the collectives of a real model would. An empty batch (what
@@ -16,14 +21,29 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from aioprefill import protocol
 from aioprefill.config import SimModel
+from aioprefill.kv import SIM_KV_LAYOUT
 from aioprefill.workers.barrier import SocketBarrier
+from aioprefill.workers.kv_writer import open_writers
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
-__all__ = ["SimRunner", "expected_logprob", "expected_token"]
+__all__ = [
+    "SIM_EMBED_DIM",
+    "SimRunner",
+    "expected_logprob",
+    "expected_token",
+    "sim_embedding",
+    "sim_kv",
+    "sim_prompt_logprobs",
+    "sim_top_k",
+]
+
+SIM_EMBED_DIM = 16
 
 
 def _token_of(crc: int, vocab_size: int) -> int:
@@ -44,41 +64,178 @@ def expected_logprob(tokens: list[int] | np.ndarray) -> float:
     return _logprob_of(zlib.crc32(np.asarray(tokens, dtype="<i4").tobytes()))
 
 
+def _pair_logprobs(prev: np.ndarray, cur: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    mixed = prev.astype(np.int64) * 31 + cur.astype(np.int64) * 17 + pos
+    return (-(mixed % 1000) / 100.0).astype(np.float32)
+
+
+def sim_prompt_logprobs(tokens: list[int] | np.ndarray) -> np.ndarray:
+    """float32[n-1]: the prompt log-probabilities a `SimModel` worker returns."""
+    t = np.asarray(tokens, dtype=np.int64)
+    return _pair_logprobs(t[:-1], t[1:], np.arange(1, len(t)))
+
+
+def sim_top_k(tokens: list[int] | np.ndarray, k: int, vocab_size: int = 32000):
+    """(int32[k], float32[k]): the top-k a `SimModel` worker returns, its token first."""
+    return _top_k(zlib.crc32(np.asarray(tokens, dtype="<i4").tobytes()), k, vocab_size)
+
+
+def _top_k(crc: int, k: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = (_token_of(crc, vocab_size) + np.arange(k, dtype=np.int64)) % vocab_size
+    lps = _logprob_of(crc) - 0.25 * np.arange(k)
+    return ids.astype(np.int32), lps.astype(np.float32)
+
+
+def _token_vectors(tokens: np.ndarray, start: int) -> np.ndarray:
+    """float64[n, SIM_EMBED_DIM]: a vector per (token, position)."""
+    pos = np.arange(start, start + len(tokens))[:, None]
+    d = np.arange(1, SIM_EMBED_DIM + 1)[None, :]
+    return np.sin(0.37 * (tokens.astype(np.float64)[:, None] + 1) * d + 0.011 * pos)
+
+
+def _pool(total: np.ndarray, last: np.ndarray, n: int, opts: int) -> np.ndarray:
+    v = total / n if opts & protocol.OPT_EMBED_MEAN else last
+    if opts & protocol.OPT_NORMALIZE:
+        v = v / np.linalg.norm(v)
+    return v.astype(np.float32)
+
+
+def sim_embedding(tokens: list[int] | np.ndarray, embed: str, normalize: bool = False):
+    """float32[SIM_EMBED_DIM]: the embedding a `SimModel` worker returns."""
+    vectors = _token_vectors(np.asarray(tokens), 0)
+    opts = protocol.OPT_EMBED_MEAN if embed == "mean" else protocol.OPT_EMBED_LAST
+    opts |= protocol.OPT_NORMALIZE if normalize else 0
+    return _pool(vectors.sum(axis=0), vectors[-1], len(vectors), opts)
+
+
+def sim_kv(tokens: list[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, values) float32[2, 2, n, 8]: the KV export of a `SimModel` worker."""
+    t = np.asarray(tokens, dtype=np.float64)
+    lay = SIM_KV_LAYOUT
+    grid = np.ix_(
+        np.arange(lay.num_layers), np.arange(lay.num_kv_heads), np.arange(len(t)),
+        np.arange(lay.head_dim),
+    )  # fmt: skip
+    ell, h, pos, d = grid
+    keys = np.sin(0.01 * t[pos] * (ell + 1) + 0.1 * pos + h + 0.5 * d)
+    return keys.astype(np.float32), np.cos(keys).astype(np.float32)
+
+
+@dataclass(slots=True)
+class _State:
+    """What a chunked prompt carries to its next chunk."""
+
+    crc: int = 0
+    last_token: int = 0
+    embed_sum: np.ndarray | None = None
+    tokens: list[np.ndarray] = field(default_factory=list)  # kept only for a KV export
+
+
 class SimRunner:
     device = "sim"
 
     def __init__(self, spec: SimModel, barrier: SocketBarrier | None = None) -> None:
         self.spec = spec
         self.barrier = barrier
-        self._partial: dict[int, int] = {}  # request id -> CRC of the chunks seen so far
+        self._partial: dict[int, _State] = {}  # request id -> state after its chunks so far
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         seq_lens = batch.seq_lens()
         self._inject_faults(batch.tokens)
-        time.sleep(self.spec.forward_seconds([int(n) for n in seq_lens]))
+        time.sleep(self.spec.forward_seconds(seq_lens.tolist()))
         if self.barrier is not None:
             self.barrier.wait()  # the step ends when the slowest rank's forward does
             self._inject_failure(batch.tokens)  # after the barrier: the group stays in step
             if self.barrier.rank == self.spec.slow_rank:
                 time.sleep(self.spec.slow_rank_ms * 1e-3)
+        if batch.options is None and batch.top_k is None:
+            return self._plain(batch)
+        return self._with_options(batch)
+
+    def _plain(self, batch: ForwardBatch) -> ForwardOutput:
+        """No output options in the batch: the token and its logprob only (the hot path of the
+        scheduling benchmarks, so plain lists rather than per-element NumPy indexing)."""
         ids, toks, lps = [], [], []
-        offsets = batch.offsets
-        for i in range(batch.size):
-            rid = int(batch.request_ids[i])
-            chunk = batch.tokens[offsets[i] : offsets[i + 1]]
-            crc = zlib.crc32(
-                chunk.tobytes(), self._partial.pop(rid, 0) if batch.start_pos[i] else 0
-            )
-            if batch.is_last[i]:
+        offsets, starts = batch.offsets.tolist(), batch.start_pos.tolist()
+        tokens, vocab = batch.tokens, self.spec.vocab_size
+        for i, (rid, last) in enumerate(
+            zip(batch.request_ids.tolist(), batch.is_last.tolist(), strict=True)
+        ):
+            chunk = tokens[offsets[i] : offsets[i + 1]]
+            state = self._partial.pop(rid, None) if starts[i] else None
+            crc = zlib.crc32(chunk.tobytes(), 0 if state is None else state.crc)
+            if last:
                 ids.append(rid)
-                toks.append(_token_of(crc, self.spec.vocab_size))
+                toks.append(_token_of(crc, vocab))
                 lps.append(_logprob_of(crc))
             else:
-                self._partial[rid] = crc
+                state = state or _State()
+                state.crc = crc
+                self._partial[rid] = state
         return ForwardOutput(
             request_ids=np.asarray(ids, dtype=np.int64),
             tokens=np.asarray(toks, dtype=np.int32),
             logprobs=np.asarray(lps, dtype=np.float64),
+        )
+
+    def _with_options(self, batch: ForwardBatch) -> ForwardOutput:
+        ids, toks, lps = [], [], []
+        top_ids, top_lps, plps, embeds = [], [], [], []
+        options = batch.options
+        top_k = batch.top_k_of()
+        writers = open_writers(batch, SIM_KV_LAYOUT)
+        offsets = batch.offsets
+        try:
+            for i in range(batch.size):
+                rid = int(batch.request_ids[i])
+                chunk = batch.tokens[offsets[i] : offsets[i + 1]]
+                start = int(batch.start_pos[i])
+                state = self._partial.pop(rid, None) if start else None
+                state = state or _State()
+                opts = 0 if options is None else int(options[i])
+                if opts & protocol.OPT_PROMPT_LOGPROBS:
+                    prev = np.concatenate([[state.last_token], chunk[:-1]])
+                    pos = np.arange(start, start + len(chunk))
+                    plps.append(_pair_logprobs(prev, chunk, pos)[1 if start == 0 else 0 :])
+                state.crc = zlib.crc32(chunk.tobytes(), state.crc)
+                state.last_token = int(chunk[-1])
+                vectors = None
+                if opts & (protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN):
+                    vectors = _token_vectors(chunk, start)
+                    add = vectors.sum(axis=0)
+                    state.embed_sum = add if state.embed_sum is None else state.embed_sum + add
+                if opts & protocol.OPT_RETURN_KV:
+                    state.tokens.append(chunk)
+                if not batch.is_last[i]:
+                    self._partial[rid] = state
+                    continue
+                ids.append(rid)
+                toks.append(_token_of(state.crc, self.spec.vocab_size))
+                lps.append(_logprob_of(state.crc))
+                if top_k[i]:
+                    k_ids, k_lps = _top_k(state.crc, int(top_k[i]), self.spec.vocab_size)
+                    top_ids.append(k_ids)
+                    top_lps.append(k_lps)
+                if vectors is not None and state.embed_sum is not None:
+                    n = start + len(chunk)
+                    embeds.append(_pool(state.embed_sum, vectors[-1], n, opts))
+                if i in writers:
+                    keys, values = sim_kv(np.concatenate(state.tokens))
+                    writers[i].keys[...], writers[i].values[...] = keys, values
+        except BaseException:
+            for w in writers.values():
+                w.discard()
+            raise
+        for w in writers.values():
+            w.close()
+        return ForwardOutput(
+            request_ids=np.asarray(ids, dtype=np.int64),
+            tokens=np.asarray(toks, dtype=np.int32),
+            logprobs=np.asarray(lps, dtype=np.float64),
+            top_k_ids=np.concatenate(top_ids) if top_ids else np.empty(0, np.int32),
+            top_k_logprobs=np.concatenate(top_lps) if top_lps else np.empty(0, np.float32),
+            prompt_logprobs=np.concatenate(plps) if plps else np.empty(0, np.float32),
+            embeddings=np.stack(embeds) if embeds else np.empty((0, 0), np.float32),
         )
 
     def _inject_failure(self, tokens: np.ndarray) -> None:

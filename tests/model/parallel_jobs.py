@@ -3,6 +3,8 @@ batches) in, each step's results out, both msgspec-encoded."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import numpy as np
 
@@ -18,6 +20,8 @@ class Step(msgspec.Struct):
     ids: list[int]
     starts: list[int] | None = None
     last: list[bool] | None = None
+    options: list[int] | None = None  # OPT_* bits per request
+    top_k: list[int] | None = None
 
 
 class Out(msgspec.Struct):
@@ -25,6 +29,10 @@ class Out(msgspec.Struct):
     tokens: list[int]
     logprobs: list[float]
     error: str = ""  # the ValueError a refused batch raised
+    top_k_ids: list[int] = []
+    top_k_logprobs: list[float] = []
+    prompt_logprobs: list[float] = []
+    embeddings: list[float] = []
 
 
 class Job(msgspec.Struct):
@@ -47,13 +55,25 @@ def forward(runner, step: Step) -> Out:
     if step.prompts:
         prompts = [np.asarray(p, dtype=np.int32) for p in step.prompts]
         batch = make_batch(prompts, step.ids, step.starts, step.last)
+        if step.options is not None or step.top_k is not None:
+            options = None if step.options is None else np.asarray(step.options, np.uint8)
+            top_k = None if step.top_k is None else np.asarray(step.top_k, np.int32)
+            batch = dataclasses.replace(batch, options=options, top_k=top_k)
     else:
         batch = EMPTY
     try:
         out = runner.forward(batch)
     except ValueError as exc:
         return Out([], [], [], error=str(exc))
-    return Out(out.request_ids.tolist(), out.tokens.tolist(), out.logprobs.tolist())
+    return Out(
+        out.request_ids.tolist(),
+        out.tokens.tolist(),
+        out.logprobs.tolist(),
+        top_k_ids=out.top_k_ids.tolist(),
+        top_k_logprobs=out.top_k_logprobs.tolist(),
+        prompt_logprobs=out.prompt_logprobs.tolist(),
+        embeddings=out.embeddings.ravel().tolist(),
+    )
 
 
 def run_job(rank: int, size: int, master: str, arg: bytes) -> bytes:

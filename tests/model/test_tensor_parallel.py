@@ -8,6 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from aioprefill import protocol
 from aioprefill.config import PaddleModel
 from tests.model.batches import SMALL, runner, small
 from tests.model.parallel_jobs import JOB, Job, Out, Step, decode_outs, forward
@@ -26,8 +27,16 @@ def steps_for(spec: PaddleModel, seed: int) -> list[Step]:
         return rng.integers(0, spec.vocab_size, n).tolist()
 
     long = p(150)
+    prompt_lp, embed = protocol.OPT_PROMPT_LOGPROBS, protocol.OPT_EMBED_MEAN
     return [
         Step([p(n) for n in (1, 2, 7, 33, 100)], [0, 1, 2, 3, 4]),
+        # output options: top-k and prompt logprobs join the ranks' vocabulary slices
+        Step(
+            [p(n) for n in (9, 40, 3)],
+            [20, 21, 22],
+            options=[prompt_lp, prompt_lp | embed, 0],
+            top_k=[5, 0, 3],
+        ),
         # a chunked prompt: its KV cache lives across forwards on every rank
         Step([long[:90], p(5)], [10, 11], starts=[0, 0], last=[False, True]),
         Step([long[90:], p(3)], [10, 12], starts=[90, 0], last=[True, True]),
@@ -38,8 +47,12 @@ def check_same(got: list[Out], want: list[Out]) -> None:
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.ids == w.ids, f"step {step}"
         assert g.tokens == w.tokens, f"step {step}"
-        diff = np.abs(np.subtract(g.logprobs, w.logprobs)).max(initial=0.0)
-        assert diff <= TOL, f"step {step}: |dlogprob| = {diff:.2e}"
+        assert g.top_k_ids == w.top_k_ids, f"step {step}"
+        for name in ("logprobs", "top_k_logprobs", "prompt_logprobs", "embeddings"):
+            a, b = getattr(g, name), getattr(w, name)
+            assert len(a) == len(b), f"step {step}: {name}"
+            diff = np.abs(np.subtract(a, b)).max(initial=0.0)
+            assert diff <= TOL, f"step {step}: |d {name}| = {diff:.2e}"
 
 
 @pytest.mark.parametrize(

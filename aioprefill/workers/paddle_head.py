@@ -1,0 +1,253 @@
+"""`OutputHead`: what a PaddleRunner computes from the final hidden states, per request.
+
+Every finished request gets its greedy token and log-probability; the output options add, only
+for the requests that asked: top-k at the last position, prompt log-probabilities (the LM head
+on every position of *those* requests: a 512-token prompt costs 512 head rows, its batch-mates
+none), and a pooled final-norm hidden state. A chunked prompt carries what its next chunk needs
+(the last row's hidden state for the next token's log-probability, the running sum for mean
+pooling), so its outputs equal the unchunked ones.
+
+The log-softmax is float64-accurate: logits are float32 (the product's precision), but their
+exponentials are summed with a float64 accumulator after shifting by the row maximum. Paddle's
+float32 CPU sum over 32000 logits lost up to ~5e-5; NumPy's float64-accumulated sum is ~1e-8
+from an exact one *and* faster (16 rows: ~0.5 ms vs ~1.2 ms; benchmarks/bench_outputs.py), so
+the CPU reads the logits zero-copy through DLPack and finishes in NumPy. A GPU keeps the logits
+on the device, sums in float64 there and moves only per-row results.
+
+Batch invariance: every reduction here is per row; with `deterministic=True` the head runs on
+fixed tiles of `tile_rows` rows, so no shape depends on the batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import paddle
+from paddle.incubate.nn.functional import fused_rms_norm
+
+from aioprefill import protocol
+from aioprefill.workers.paddle_shard import Shard
+from aioprefill.workers.runner import ForwardBatch, ForwardOutput
+
+__all__ = ["OutputHead", "host"]
+
+# Prompt log-probabilities run the head over many rows: at most this many at a time (without
+# deterministic tiles), so a long prompt's [rows, vocab] logits stay ~64 MB.
+_MAX_ROWS = 512
+_EMBED = protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN
+
+
+class _Rows(NamedTuple):
+    """Per-row results of the head: argmax id int64, its logit, log-sum-exp (both float64),
+    top-k logits float32 / ids int32 [rows, kmax] best first, target logits float64 or None."""
+
+    ids: np.ndarray
+    best: np.ndarray
+    lse: np.ndarray
+    top_vals: np.ndarray
+    top_ids: np.ndarray
+    picked: np.ndarray | None
+
+
+def host(t: paddle.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor (zero-copy through DLPack), or a host copy of a GPU one."""
+    if t.place.is_cpu_place():
+        return np.from_dlpack(t)
+    return t.numpy()
+
+
+class OutputHead:
+    """Final norm + LM head + log-softmax, and the per-request output options."""
+
+    def __init__(
+        self,
+        lm_head: paddle.Tensor,
+        norm: paddle.Tensor,
+        eps: float,
+        *,
+        tile_rows: int | None,
+        shard: Shard | None = None,
+    ) -> None:
+        """`shard`: under tensor parallelism `lm_head` is this rank's vocabulary slice, and
+        each tile's per-row results are joined across the ranks (`Shard.head_rows`)."""
+        self._lm_head = lm_head
+        self._shard = shard if shard is not None and shard.tp_size > 1 else None
+        self._norm = norm
+        self._eps = eps
+        self._tile = tile_rows  # deterministic: fixed tiles of this many rows
+        self._carry: dict[int, paddle.Tensor] = {}  # rid -> last row's hidden state [1, hidden]
+        self._sums: dict[int, np.ndarray] = {}  # rid -> float64 sum of final-norm rows so far
+
+    def free(self, request_ids: list[int]) -> None:
+        for rid in request_ids:
+            self._carry.pop(rid, None)
+            self._sums.pop(rid, None)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._carry) + len(self._sums)
+
+    # ------------------------------------------------------------------ the batch
+
+    def __call__(self, x: paddle.Tensor, batch: ForwardBatch) -> ForwardOutput:
+        """Outputs for a forward whose final hidden states (before the norm) are `x`."""
+        offsets = batch.offsets.astype(np.int64)
+        rids = batch.request_ids.tolist()
+        self.free([rid for rid, s in zip(rids, batch.start_pos.tolist(), strict=True) if s == 0])
+        plp = self._prompt_logprobs(x, batch, offsets, rids)
+        self._mean_sums(x, batch, offsets, rids)
+        done = np.flatnonzero(batch.is_last)
+        if len(done) == 0:
+            empty = np.empty(0, dtype=np.int64)
+            return ForwardOutput(
+                empty, empty.astype(np.int32), empty.astype(np.float64), prompt_logprobs=plp
+            )
+        top_k = batch.top_k_of()[done]
+        last_rows = paddle.gather(x, paddle.to_tensor(offsets[done + 1] - 1))
+        h, r = self._rows(last_rows, int(top_k.max()))
+        k_ids = [r.top_ids[j, :k] for j, k in enumerate(top_k.tolist()) if k]
+        k_lps = [r.top_vals[j, :k] - r.lse[j] for j, k in enumerate(top_k.tolist()) if k]
+        embeds = []
+        options = batch.options
+        if options is not None:
+            for j, i in enumerate(done.tolist()):
+                opts = int(options[i])
+                if opts & protocol.OPT_EMBED_MEAN:
+                    length = int(batch.start_pos[i] + offsets[i + 1] - offsets[i])
+                    v = self._sums.pop(rids[i]) / length
+                elif opts & protocol.OPT_EMBED_LAST and h is not None:
+                    v = h[j].astype(np.float64)
+                else:
+                    continue
+                if opts & protocol.OPT_NORMALIZE:
+                    v = v / np.linalg.norm(v)
+                embeds.append(v.astype(np.float32))
+        return ForwardOutput(
+            request_ids=batch.request_ids[done].astype(np.int64),
+            tokens=r.ids.astype(np.int32),
+            logprobs=r.best - r.lse,
+            top_k_ids=np.concatenate(k_ids) if k_ids else np.empty(0, np.int32),
+            top_k_logprobs=np.concatenate(k_lps).astype(np.float32)
+            if k_lps
+            else np.empty(0, np.float32),
+            prompt_logprobs=plp,
+            embeddings=np.stack(embeds) if embeds else np.empty((0, 0), np.float32),
+        )
+
+    def _prompt_logprobs(
+        self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray, rids: list[int]
+    ) -> np.ndarray:
+        """float32, per chunk that asked, back to back: log p(token j | tokens < j) for each of
+        the chunk's tokens that has a predecessor (the first chunk's first token has none)."""
+        asked = np.flatnonzero(batch.has(protocol.OPT_PROMPT_LOGPROBS))
+        if len(asked) == 0:
+            return np.empty(0, dtype=np.float32)
+        parts: list[paddle.Tensor] = []
+        targets: list[np.ndarray] = []
+        for i in asked.tolist():
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            carried = self._carry.pop(rids[i], None)
+            if carried is not None:  # the previous chunk's last row predicts this chunk's first
+                parts.append(carried)
+                targets.append(batch.tokens[a : a + 1])
+            if b - a > 1:
+                parts.append(x[a : b - 1])
+                targets.append(batch.tokens[a + 1 : b])
+            if not batch.is_last[i]:
+                self._carry[rids[i]] = x[b - 1 : b].clone()
+        if not parts:
+            return np.empty(0, dtype=np.float32)
+        h = paddle.concat(parts) if len(parts) > 1 else parts[0]
+        target = np.concatenate(targets).astype(np.int64)
+        r = self._rows(h, 0, target)[1]
+        assert r.picked is not None
+        return (r.picked - r.lse).astype(np.float32)
+
+    def _mean_sums(
+        self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray, rids: list[int]
+    ) -> None:
+        """Add each mean-pooling chunk's final-norm rows to its request's float64 sum."""
+        if batch.options is None:
+            return
+        for i in np.flatnonzero(batch.has(protocol.OPT_EMBED_MEAN)).tolist():
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            rows = fused_rms_norm(x[a:b], self._norm, None, self._eps, 1)[0]
+            total: np.ndarray
+            if rows.place.is_cpu_place():  # summed in float64 without a float64 copy
+                total = np.asarray(np.sum(host(rows), axis=0, dtype=np.float64))
+            else:  # on the device: only the sum comes back
+                total = rows.astype("float64").sum(axis=0).numpy()
+            rid = rids[i]
+            self._sums[rid] = total if rid not in self._sums else self._sums[rid] + total
+
+    # ------------------------------------------------------------------ rows of the head
+
+    def _rows(
+        self, h: paddle.Tensor, kmax: int, targets: np.ndarray | None = None
+    ) -> tuple[np.ndarray | None, _Rows]:
+        """Rows `h` [rows, hidden] through the final norm and the head, tile by tile: the
+        final-norm rows (float32 [rows, hidden]; None with `targets`, which never need them)
+        and the head's per-row results."""
+        rows = h.shape[0]
+        tile = self._tile or min(rows, _MAX_ROWS)
+        padded = -(-rows // tile) * tile
+        if padded > rows:  # fixed tiles: zero rows, ignored
+            h = paddle.concat([h, paddle.zeros([padded - rows, h.shape[1]], dtype=h.dtype)])
+            if targets is not None:
+                targets = np.concatenate([targets, np.zeros(padded - rows, dtype=np.int64)])
+        normed, parts = [], []
+        for lo in range(0, padded, tile):
+            hn = fused_rms_norm(h[lo : lo + tile], self._norm, None, self._eps, 1)[0]
+            logits = paddle.matmul(hn, self._lm_head, transpose_y=True).astype("float32")
+            t = None if targets is None else targets[lo : lo + tile]
+            if self._shard is None:
+                parts.append(_log_softmax_rows(logits, kmax, t))
+            else:  # parallel: a vocabulary slice per rank
+                parts.append(self._shard.head_rows(logits, kmax, t, _log_softmax_rows))
+            if targets is None:
+                normed.append(host(hn).astype(np.float32, copy=True))
+        joined = [
+            None if p[0] is None else np.concatenate(p)[:rows] for p in zip(*parts, strict=True)
+        ]
+        h_out = np.concatenate(normed)[:rows] if normed else None
+        return h_out, _Rows(*joined)  # type: ignore[arg-type]
+
+
+def _log_softmax_rows(logits: paddle.Tensor, kmax: int, targets: np.ndarray | None) -> _Rows:
+    """`_Rows` of float32 logits [rows, vocab] (top-k ties: lower id first on the CPU)."""
+    if logits.place.is_cpu_place():
+        lg: np.ndarray = np.from_dlpack(logits)
+    else:  # on the device: float64 sum there, only per-row numbers come back
+        top_t = paddle.max(logits, axis=-1, keepdim=True)
+        total = paddle.exp(logits - top_t).astype("float64").sum(axis=-1)
+        lse: np.ndarray = top_t.squeeze(-1).astype("float64").numpy() + np.log(total.numpy())
+        arg = paddle.argmax(logits, axis=-1).numpy().astype(np.int64)
+        best = top_t.squeeze(-1).numpy().astype(np.float64)
+        vals = np.empty((len(lse), 0), np.float32)
+        tops = np.empty((len(lse), 0), np.int32)
+        if kmax:
+            v, i = paddle.topk(logits, kmax, axis=-1)
+            vals, tops = v.numpy(), i.numpy().astype(np.int32)
+        picked = None
+        if targets is not None:
+            tt = paddle.to_tensor(targets.reshape(-1, 1))
+            picked = paddle.take_along_axis(logits, tt, axis=-1).squeeze(-1).numpy()
+            picked = picked.astype(np.float64)
+        return _Rows(arg, best, lse, vals, tops, picked)
+    arg = np.argmax(lg, axis=-1)
+    best = np.take_along_axis(lg, arg[:, None], axis=-1)[:, 0]
+    # exp(l - max) is in (0, 1]; summed with a float64 accumulator (see the module docstring).
+    lse = best.astype(np.float64) + np.log(np.exp(lg - best[:, None]).sum(-1, dtype=np.float64))
+    vals = np.empty((len(lg), 0), np.float32)
+    tops = np.empty((len(lg), 0), np.int32)
+    if kmax:
+        part = np.argpartition(-lg, kmax - 1, axis=-1)[:, :kmax]
+        pv = np.take_along_axis(lg, part, axis=-1)
+        order = np.lexsort((part, -pv), axis=-1)
+        tops = np.take_along_axis(part, order, axis=-1).astype(np.int32)
+        vals = np.take_along_axis(pv, order, axis=-1)
+    picked = None
+    if targets is not None:
+        picked = np.take_along_axis(lg, targets[:, None], axis=-1)[:, 0].astype(np.float64)
+    return _Rows(arg.astype(np.int64), best.astype(np.float64), lse, vals, tops, picked)

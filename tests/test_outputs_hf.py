@@ -1,0 +1,43 @@
+"""Top-k and prompt log-probabilities against Hugging Face, on every golden checkpoint of
+tests/data/hf (Llama variants, Mistral, Qwen2, Qwen3), through the engine, chunked and batched.
+
+The goldens hold HF's greedy token t and its log-probability after each prompt p. So top-k's
+first entry must be (t, that logprob), and the prompt log-probabilities of p + [t] must end with
+that logprob: HF's value at a middle position of a longer prompt, through the chunked path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from aioprefill import Engine, EngineConfig, PaddleModel
+from tests.hf.goldens import DATA, GOLDENS, expected
+
+TOLERANCE = 1e-4
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", GOLDENS)
+async def test_top_k_and_prompt_logprobs_match_hugging_face(name: str) -> None:
+    exp = expected(name)
+    model = PaddleModel.from_pretrained(DATA / name, device="cpu")
+    prompts, tokens, logprobs = exp["prompts"], exp["tokens"], exp["logprobs"]
+    async with Engine(EngineConfig(model=model, max_batch_tokens=64)) as engine:
+        ranked, scored = await asyncio.gather(
+            asyncio.gather(*(engine.prefill(p, top_k=2) for p in prompts)),
+            asyncio.gather(
+                *(
+                    engine.prefill([*p, t], prompt_logprobs=True)
+                    for p, t in zip(prompts, tokens, strict=True)
+                )
+            ),
+        )
+    assert any(r.num_chunks > 1 for r in scored)
+    for r, s, p, t, lp in zip(ranked, scored, prompts, tokens, logprobs, strict=True):
+        assert r.top_k_ids[0] == t and r.token == t, name
+        assert abs(float(r.top_k_logprobs[0]) - lp) <= TOLERANCE, name
+        assert r.top_k_logprobs[1] < r.top_k_logprobs[0]
+        assert s.prompt_logprobs.shape == (len(p),) and s.prompt_logprobs.dtype == np.float32
+        assert abs(float(s.prompt_logprobs[-1]) - lp) <= TOLERANCE, name
