@@ -18,6 +18,7 @@ from aioprefill.models import (
     _positive_int,
     _require,
 )
+from aioprefill.parallel import check_parallel
 
 __all__ = [
     "ARCHITECTURES",
@@ -30,7 +31,7 @@ __all__ = [
     "SimModel",
 ]
 
-POLICIES = ("forward", "eager", "timeout")
+POLICIES = ("forward", "eager", "timeout", "ep-timer")  # ep-timer: a baseline, see parallel.py
 
 PADDLE_EXTRA_HINT = (
     "pip install 'aioprefill[paddle]' (on a CUDA machine: paddlepaddle-gpu and safetensors)"
@@ -79,6 +80,10 @@ class EngineConfig:
     start_method: str | None = None
     # On a clean exit from `async with`, wait this long for accepted requests to finish.
     shutdown_timeout_s: float = 30.0
+    # Ranks per replica (tensor parallelism); world = num_workers * tp_size processes.
+    tp_size: int = 1
+    # All replicas form one expert-parallel group that steps in lockstep (MoE experts sharded).
+    expert_parallel: bool = False
     # Shared memory that KV exports (return_kv=True) may hold: requests in flight plus handles
     # not yet closed. Past it, return_kv requests raise KVBudgetExceeded.
     max_kv_export_bytes: int = 2 << 30
@@ -140,6 +145,9 @@ class EngineConfig:
             f"must be None, 'spawn' or 'forkserver' (never 'fork'); got {self.start_method!r}",
         )
         _finite_nonneg(self.shutdown_timeout_s, "EngineConfig.shutdown_timeout_s")
+        check_parallel(
+            self.model, self.num_workers, self.tp_size, self.expert_parallel, self.policy
+        )
         _positive_int(self.max_kv_export_bytes, "EngineConfig.max_kv_export_bytes", allow_zero=True)
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")

@@ -70,7 +70,8 @@ class Engine(EngineControls):
         )
         self._pool = WorkerPool(config, self._stats, events)
         self._timer = LoopTimer(self._on_timer)
-        policy = policy_class(config.policy)  # chosen once: no event branches on its name
+        # chosen once: no event branches on its name
+        policy = policy_class(config.policy, expert_parallel=config.expert_parallel)
         self._sched = Scheduler(budget, staging=policy.staging)
         self._kv = KVExports(config.model, config.max_kv_export_bytes)
         self._outcomes = Outcomes(self._sched, self._pool, self._stats, self._kv)
@@ -116,7 +117,7 @@ class Engine(EngineControls):
         if self._state in (State.CLOSING, State.CLOSED):
             return
         self._state = State.CLOSING
-        self._pool.restarts_allowed = False
+        self._pool.restarts.allowed = False
         if drain and self._broken is None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle(), self.config.shutdown_timeout_s)

@@ -63,9 +63,13 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
     fail_token: int = -1
     crash_token: int = -1
     hang_token: int = -1
+    # ... and in a group of ranks, rank `slow_rank` answers each batch `slow_rank_ms` after the
+    # step's barrier (a straggler's late answer, for the tensor-parallel race tests).
+    slow_rank: int = -1
+    slow_rank_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("fixed_ms", "per_token_us", "attn_ns"):
+        for name in ("fixed_ms", "per_token_us", "attn_ns", "slow_rank_ms"):
             _finite_nonneg(getattr(self, name), f"SimModel.{name}")
         _positive_int(self.vocab_size, "SimModel.vocab_size")
         _positive_int(self.max_position_embeddings, "SimModel.max_position_embeddings")
@@ -103,6 +107,11 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
     parameters, and `sliding_window` (attention span; prompts longer than it are refused, since
     the forward computes full causal attention). `architecture` only names what the spec was read
     from.
+
+    `num_experts > 0` makes every layer's MLP a Mixtral-style mixture of experts: a router
+    (`block_sparse_moe.gate`) picks `num_experts_per_tok` experts per token, each an
+    `intermediate_size` SwiGLU MLP (`block_sparse_moe.experts.{e}.w1/w2/w3`). The spec always
+    describes the whole model; how it is split over ranks is the engine's setting.
     """
 
     num_layers: int = 4
@@ -131,6 +140,8 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
     device: Literal["auto", "cpu", "gpu"] = "auto"
     num_threads: int = 1
     deterministic: bool = False
+    num_experts: int = 0  # 0: dense MLPs
+    num_experts_per_tok: int = 2
 
     def __post_init__(self) -> None:
         for name in (
@@ -205,6 +216,19 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
             f"must be one of {', '.join(ARCHITECTURES)}; got {self.architecture!r}",
         )
         _require(isinstance(self.seed, int), "PaddleModel.seed", "must be an int")
+        _positive_int(self.num_experts, "PaddleModel.num_experts", allow_zero=True)
+        _positive_int(self.num_experts_per_tok, "PaddleModel.num_experts_per_tok")
+        if self.num_experts:
+            _require(
+                self.num_experts_per_tok <= self.num_experts,
+                "PaddleModel.num_experts_per_tok",
+                f"{self.num_experts_per_tok} exceeds num_experts={self.num_experts}",
+            )
+            _require(
+                not self.deterministic,
+                "PaddleModel.deterministic",
+                "bitwise batch invariance is not implemented for mixture-of-experts layers",
+            )
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], **overrides: object) -> PaddleModel:

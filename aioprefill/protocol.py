@@ -13,7 +13,7 @@ released as soon as `decode()` returns.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -23,6 +23,7 @@ from aioprefill.errors import ProtocolError
 from aioprefill.shm.channel import ChannelSpec
 
 __all__ = [
+    "BatchDone",
     "BatchFailed",
     "BatchResult",
     "FromWorker",
@@ -55,13 +56,25 @@ OPT_RETURN_KV = 16  # write the prompt's K/V into the shared-memory segment name
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """What a worker process needs to start, sent msgspec-encoded at spawn time."""
+    """What a worker process needs to start, sent msgspec-encoded at spawn time.
+
+    A worker is rank `rank` of a collective group of `group_size` ranks (group `group`):
+    `parallel` says what the ranks share ("tp": every batch; "ep": lockstep steps, each rank
+    its own batch; "": a lone worker), and they meet at `master` ("host:port", rank 0 listens).
+    A collective that waits longer than `collective_timeout_s` breaks the group.
+    """
 
     worker: int
     model: SimModel | PaddleModel
     to_worker: ChannelSpec
     from_worker: ChannelSpec
     engine_pid: int
+    rank: int = 0
+    group_size: int = 1
+    group: int = 0
+    parallel: Literal["", "tp", "ep"] = ""
+    master: str = ""
+    collective_timeout_s: float = 60.0
 
 
 # ---- engine -> worker ---------------------------------------------------------------------
@@ -206,6 +219,14 @@ class BatchResult(msgspec.Struct, tag=True, array_like=True):
         )
 
 
+class BatchDone(msgspec.Struct, tag=True, array_like=True):
+    """A tensor-parallel rank other than 0 finished this batch; rank 0 carries the results."""
+
+    batch_id: int
+    forward_start_ns: int
+    forward_end_ns: int
+
+
 class Spilled(msgspec.Struct, tag=True, array_like=True):
     """A `BatchResult` too large for the result ring, encoded into shared-memory segment `name`
     (`size` bytes) instead; the engine decodes it from there and unlinks the segment."""
@@ -225,7 +246,7 @@ class BatchFailed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-FromWorker = Ready | StartFailed | BatchResult | Spilled | BatchFailed
+FromWorker = Ready | StartFailed | BatchResult | BatchDone | Spilled | BatchFailed
 
 
 def make_prefill_batch(
@@ -298,7 +319,7 @@ def decode_to_worker(data: bytes | memoryview) -> PrefillBatch | Shutdown:
 
 def decode_from_worker(
     data: bytes | memoryview,
-) -> Ready | StartFailed | BatchResult | Spilled | BatchFailed:
+) -> Ready | StartFailed | BatchResult | BatchDone | Spilled | BatchFailed:
     return _decode(_from_worker, data, "worker->engine")
 
 

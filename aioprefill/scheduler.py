@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar, Protocol
 
 from aioprefill.batching import Budget, Chunk, Columns, Request, StagedBatch, take_batch
+from aioprefill.lockstep import split_step
 
 __all__ = ["BatchSink", "InFlight", "Scheduler"]
 
@@ -128,6 +129,27 @@ class Scheduler:
             return False
         batch.chunks = chunks
         self._mark_sent(chunks, group)
+        return True
+
+    def dispatch_step(self, sink: BatchSink, num_ranks: int, *, always: bool = False) -> bool:
+        """Send one expert-parallel step: the pending work split across the ranks
+        (`split_step`), an empty batch to each rank that got none. With no work at all nothing
+        is sent, unless `always` (the ep-timer baseline's empty steps)."""
+        steps = split_step(self.pending, num_ranks, self.budget)
+        if not always and not any(steps):
+            return False
+        for rank, chunks in enumerate(steps):
+            batch = sink.send(rank, Columns.of_chunks(chunks), backlogged=True)
+            if batch is None:
+                # A rank's ring had no room: not in lockstep (one step in flight at most), so
+                # the ranks are broken; these chunks wait for the group's restart.
+                for later in reversed(steps[rank:]):
+                    for c in reversed(later):
+                        if c.is_last:
+                            self.pending.appendleft(c.request)
+                return False
+            batch.chunks = chunks
+            self._mark_sent(chunks, rank)
         return True
 
     def _commit_staged(self, staged: StagedBatch) -> list[Chunk]:

@@ -87,6 +87,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     cancelled: int
     rejected: int
     batches: int
+    empty_batches: int  # sent only to keep expert-parallel ranks in step (0 when idle)
     tokens: int
     pending: int
     in_flight: int
@@ -111,6 +112,7 @@ class StatsRecorder:
         self.cancelled = 0
         self.rejected = 0
         self.batches = 0
+        self.empty_batches = 0
         self.tokens = 0
         self.retried = 0
         self.worker_restarts = 0
@@ -139,6 +141,7 @@ class StatsRecorder:
             cancelled=self.cancelled,
             rejected=self.rejected,
             batches=self.batches,
+            empty_batches=self.empty_batches,
             tokens=self.tokens,
             pending=pending,
             in_flight=in_flight,

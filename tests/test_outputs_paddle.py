@@ -41,9 +41,12 @@ async def test_every_option_through_the_engine_matches_the_reference(max_batch_t
             ),
             *(engine.prefill([*p, t], top_k=SMALL.vocab_size) for p, t in zip(ps, ts, strict=True)),
         )
-        assert max(r.batch_size for r in rs) > 1
+        # Chunked, every batch may be one 24-token chunk alone (it depends on the seed's prompt
+        # lengths), so only the whole-prompt run is sure to batch.
         if max_batch_tokens == 24:
             assert max(r.num_chunks for r in rs) > 1
+        else:
+            assert max(r.batch_size for r in rs) > 1
         for i, (p, t) in enumerate(zip(ps, ts, strict=True)):
             r, extended = rs[i], rs[len(ps) + i]
             ref = full(SMALL, w64, np.asarray(p))

@@ -10,9 +10,10 @@ from typing import Any, NoReturn
 
 from aioprefill.bench.workload import LengthSpec, RateSpec, parse_rates
 
-__all__ = ["POLICIES", "Parser", "lengths", "number", "policies", "rates"]
+__all__ = ["EP_POLICIES", "POLICIES", "Parser", "lengths", "number", "policies", "rates"]
 
 POLICIES = ("forward", "eager", "timeout")  # the contract's policy names, in the default order
+EP_POLICIES = ("forward", "ep-timer")  # with --ep: on-demand lockstep vs the fixed-rate baseline
 
 
 class Parser(argparse.ArgumentParser):
@@ -56,9 +57,10 @@ def lengths(text: str) -> LengthSpec:
 def policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",")]
     for name in names:
-        if name not in POLICIES:
+        if name not in (*POLICIES, *EP_POLICIES):
             raise argparse.ArgumentTypeError(
-                f"unknown policy {name!r}; choose from {', '.join(POLICIES)}"
+                f"unknown policy {name!r}; choose from {', '.join(POLICIES)} (or with --ep: "
+                f"{', '.join(EP_POLICIES)})"
             )
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"a policy is listed twice in {text!r}")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from aioprefill.bench import argtypes
-from aioprefill.bench.argtypes import POLICIES, Parser, number
+from aioprefill.bench.argtypes import EP_POLICIES, POLICIES, Parser, number
 from aioprefill.bench.options import Options
 from aioprefill.bench.presets import DEFAULT_PRESET, SIM_PRESETS, build_model, model_label
 from aioprefill.bench.traces import TRACE_FORMATS, TraceError, read_trace
@@ -71,10 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--policy",
         type=argtypes.policies,
-        default=",".join(POLICIES),
-        help="comma-separated policies to compare (default: %(default)s)",
+        default=None,
+        help=f"comma-separated policies to compare (default: {','.join(POLICIES)}; "
+        f"with --ep: {','.join(EP_POLICIES)})",
     )
     g.add_argument("--workers", type=pos_int, default=1, help="num_workers (default: %(default)s)")
+    g.add_argument(
+        "--tp", type=pos_int, default=1, help="tensor-parallel ranks per worker (default: 1)"
+    )
+    g.add_argument(
+        "--ep",
+        action="store_true",
+        help="the workers form one expert-parallel group stepping in lockstep",
+    )
     g.add_argument("--max-batch-tokens", type=pos_int, default=8192, help="(default: %(default)s)")
     g.add_argument("--max-batch-size", type=pos_int, default=256, help="(default: %(default)s)")
     g.add_argument(
@@ -193,10 +202,23 @@ def parse_options(argv: list[str] | None = None) -> Options:
             trace = read_trace(a.trace, a.trace_format)
         except (TraceError, OSError, UnicodeDecodeError) as exc:
             parser.error(f"argument --trace: {exc}")
+    policies = a.policy or argtypes.policies(",".join(EP_POLICIES if a.ep else POLICIES))
+    if a.ep:
+        if a.workers < 2 or a.tp > 1:
+            parser.error("argument --ep: needs --workers >= 2 and no --tp (one rank per worker)")
+        if any(p not in EP_POLICIES for p in policies):
+            parser.error(f"argument --policy: with --ep use {', '.join(EP_POLICIES)}")
+    elif "ep-timer" in policies:
+        parser.error("argument --policy: ep-timer is an --ep baseline")
     rates = a.rate if a.rate is not None or trace is not None else argtypes.rates(DEFAULT_RATES)
     if rates and any(r.relative for r in rates) and a.saturation_s == 0:
         parser.error(
             "argument --rate: fractions like 0.8x need eager's capacity; drop --saturation-s 0"
+        )
+    if a.ep and rates and any(r.relative for r in rates):
+        parser.error(
+            "argument --rate: fractions like 0.8x are of eager's capacity, and expert-parallel "
+            "ranks cannot run eager: with --ep give requests/s"
         )
     if a.plot is not None:
         if a.plot.suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -220,7 +242,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
     return Options(
         model=model,
         model_label=model_label(model, preset if a.model == "sim" else None),
-        policies=a.policy if isinstance(a.policy, list) else argtypes.policies(a.policy),
+        policies=policies,
         rates=rates,
         duration_s=duration,
         burstiness=a.burstiness,
@@ -232,6 +254,8 @@ def parse_options(argv: list[str] | None = None) -> Options:
         trace_format=a.trace_format,
         max_prompt_len=max_len,
         num_workers=a.workers,
+        tp_size=a.tp,
+        expert_parallel=a.ep,
         max_batch_tokens=a.max_batch_tokens,
         max_batch_size=a.max_batch_size,
         batch_timeout_ms=a.batch_timeout_ms,

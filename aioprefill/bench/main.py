@@ -35,8 +35,14 @@ def _header(opts: Options) -> str:
     return (
         f"aioprefill.bench: model {opts.model_label}; policies {','.join(opts.policies)}; "
         f"rates {rates} (burstiness {opts.burstiness:g}); {dur}; {load}; "
-        f"{opts.num_workers} worker(s); seed {opts.seed}"
+        f"{opts.num_workers} worker(s){_parallel(opts)}; seed {opts.seed}"
     )
+
+
+def _parallel(opts: Options) -> str:
+    if opts.expert_parallel:
+        return " in one expert-parallel group"
+    return f" x {opts.tp_size} tensor-parallel ranks" if opts.tp_size > 1 else ""
 
 
 async def run(opts: Options, progress: Progress) -> tuple[Runner, dict[str, Any]]:

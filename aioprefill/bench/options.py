@@ -25,6 +25,8 @@ class Options:
     trace_format: str | None = None
     max_prompt_len: int = 8192
     num_workers: int = 1
+    tp_size: int = 1
+    expert_parallel: bool = False
     max_batch_tokens: int = 8192
     max_batch_size: int = 256
     batch_timeout_ms: float = 10.0

@@ -147,6 +147,8 @@ def build_report(opts: Options, runner: Runner, *, run: dict[str, Any]) -> dict[
         "config": {
             "model": _model_doc(opts),
             "num_workers": opts.num_workers,
+            "tp_size": opts.tp_size,
+            "expert_parallel": opts.expert_parallel,
             "policies": opts.policies,
             "max_batch_tokens": opts.max_batch_tokens,
             "max_batch_size": opts.max_batch_size,

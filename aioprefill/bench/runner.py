@@ -78,6 +78,8 @@ class Runner:
         return EngineConfig(
             model=o.model,
             num_workers=o.num_workers,
+            tp_size=o.tp_size,
+            expert_parallel=o.expert_parallel,
             policy=policy,
             max_batch_tokens=o.max_batch_tokens,
             max_batch_size=o.max_batch_size,

@@ -3,14 +3,17 @@ what each name means to the runner, and where a checkpoint's tensors live.
 
 The runner knows a tensor by its *part*: `embed`, `norm`, `lm_head`, and per layer `q`, `k`, `v`,
 `o`, `gate`, `up`, `down`, `in_norm`, `post_norm` (plus `q_bias`, `k_bias`, `v_bias` with
-`attention_bias`, `q_norm`, `k_norm` with `qk_norm`). This module maps those to the names that
-Llama, Mistral, Qwen2 and Qwen3 checkpoints share (linear weights `[out_features, in_features]`).
+`attention_bias`, `q_norm`, `k_norm` with `qk_norm`; a mixture of experts has `router` and
+`expert.{e}.w1` / `w2` / `w3` in place of `gate`, `up`, `down`). This module maps those to the
+names that Llama, Mistral, Qwen2 and Qwen3 checkpoints share (linear weights
+`[out_features, in_features]`), and Mixtral's for the experts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from aioprefill.config import PaddleModel
@@ -49,6 +52,8 @@ _LAYER = {
     "k_norm": "self_attn.k_norm.weight",
 }
 _BY_SUFFIX = {suffix: part for part, suffix in _LAYER.items()}
+_ROUTER = "block_sparse_moe.gate.weight"
+_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 _LAYER_PREFIX = "model.layers."
 # Older checkpoints store RoPE's inverse frequencies as a buffer; they are recomputed from the
 # spec's RoPE settings, so these tensors are accepted and never read.
@@ -67,7 +72,17 @@ def layer_parts(spec: PaddleModel) -> tuple[str, ...]:
         parts += ("q_bias", "k_bias", "v_bias")
     if spec.qk_norm:
         parts += ("q_norm", "k_norm")
+    if spec.num_experts:  # Mixtral: w1 gate, w3 up, w2 down, per expert
+        experts = (f"expert.{e}.{w}" for e in range(spec.num_experts) for w in ("w1", "w2", "w3"))
+        parts = (*(p for p in parts if p not in ("gate", "up", "down")), "router", *experts)
     return parts
+
+
+def _suffix(part: str) -> str:
+    if part.startswith("expert."):
+        _, e, w = part.split(".")
+        return f"block_sparse_moe.experts.{e}.{w}.weight"
+    return _ROUTER if part == "router" else _LAYER[part]
 
 
 def expected_shapes(spec: PaddleModel) -> dict[str, tuple[int, ...]]:
@@ -95,11 +110,15 @@ def expected_shapes(spec: PaddleModel) -> dict[str, tuple[int, ...]]:
         "v_bias": (kv_out,),
         "q_norm": (dim,),
         "k_norm": (dim,),
+        "router": (spec.num_experts, hidden),
     }
+    for e in range(spec.num_experts):
+        layer.update({f"expert.{e}.w1": (ffn, hidden), f"expert.{e}.w3": (ffn, hidden)})
+        layer[f"expert.{e}.w2"] = (hidden, ffn)
     shapes: dict[str, tuple[int, ...]] = {_GLOBAL["embed"]: (vocab, hidden)}
     for i in range(spec.num_layers):
         for part in layer_parts(spec):
-            shapes[f"{_LAYER_PREFIX}{i}.{_LAYER[part]}"] = layer[part]
+            shapes[f"{_LAYER_PREFIX}{i}.{_suffix(part)}"] = layer[part]
     shapes[_GLOBAL["norm"]] = (hidden,)
     if not spec.tie_word_embeddings:
         shapes[_LM_HEAD] = (vocab, hidden)
@@ -122,6 +141,10 @@ def part_of(name: str) -> tuple[int | None, str]:
         index, _, suffix = name[len(_LAYER_PREFIX) :].partition(".")
         if index.isdigit() and suffix in _BY_SUFFIX:
             return int(index), _BY_SUFFIX[suffix]
+        if index.isdigit() and suffix == _ROUTER:
+            return int(index), "router"
+        if index.isdigit() and (expert := _EXPERT.fullmatch(suffix)):
+            return int(index), f"expert.{expert.group(1)}.{expert.group(2)}"
     raise KeyError(name)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from aioprefill.policies.base import DispatchPolicy, Groups, Timer
 from aioprefill.policies.eager import EagerPolicy
 from aioprefill.policies.forward import ForwardPolicy
+from aioprefill.policies.lockstep import LockstepPolicy, TimerLockstepPolicy
 from aioprefill.policies.timeout import TimeoutPolicy
 
 __all__ = [
@@ -19,8 +20,10 @@ __all__ = [
     "EagerPolicy",
     "ForwardPolicy",
     "Groups",
+    "LockstepPolicy",
     "TimeoutPolicy",
     "Timer",
+    "TimerLockstepPolicy",
     "policy_class",
 ]
 
@@ -31,6 +34,13 @@ _POLICIES: dict[str, type[DispatchPolicy]] = {
 }
 
 
-def policy_class(name: str) -> type[DispatchPolicy]:
-    """The policy called `name` (a name `EngineConfig` validated)."""
-    return _POLICIES[name]
+_LOCKSTEP: dict[str, type[DispatchPolicy]] = {
+    "forward": LockstepPolicy,
+    "ep-timer": TimerLockstepPolicy,
+}
+
+
+def policy_class(name: str, *, expert_parallel: bool = False) -> type[DispatchPolicy]:
+    """The policy called `name` (a name `EngineConfig` validated); expert-parallel ranks step
+    in lockstep, so there the names pick a lockstep policy."""
+    return (_LOCKSTEP if expert_parallel else _POLICIES)[name]

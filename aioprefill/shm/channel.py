@@ -110,6 +110,10 @@ class Channel:
             return True
         return False
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether `send_nowait` of a frame of `nbytes` would succeed now."""
+        return self._parts()[0].has_room(nbytes)
+
     async def send(self, *parts: Any) -> None:
         """Write one frame, awaiting space if the ring is full (never spins)."""
         _, _, space = self._parts()

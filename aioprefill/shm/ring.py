@@ -239,6 +239,16 @@ class Ring:
         self._ctrl[_HEAD] = head  # type: ignore[index]  # publish: one aligned 8-byte store
         return True
 
+    def has_room(self, n: int) -> bool:
+        """Whether a frame of `n` payload bytes would fit now (what `try_write` checks)."""
+        cap = self.capacity
+        off = self._head & self._mask
+        size = 8 + _align8(n)
+        need = size if off + size <= cap else cap - off + size
+        if need > cap - (self._head - self._seen_tail):
+            self._load_tail()
+        return n <= self.max_frame and need <= cap - (self._head - self._seen_tail)
+
     def _load_tail(self) -> None:
         tail = self._ctrl[_TAIL]  # type: ignore[index]
         if tail & 7 or tail < self._seen_tail or tail > self._head:

@@ -16,6 +16,7 @@ import ctypes
 import os
 import select
 import signal
+import sys
 import time
 import traceback
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from aioprefill import protocol
 from aioprefill.protocol import (
+    BatchDone,
     BatchFailed,
     BatchResult,
     PrefillBatch,
@@ -33,24 +35,37 @@ from aioprefill.protocol import (
 )
 from aioprefill.shm import spill
 from aioprefill.shm.channel import Channel
+from aioprefill.workers.group import EXIT_GROUP_BROKEN, CollectiveError
 from aioprefill.workers.runner import ForwardBatch, ModelRunner
 
 __all__ = ["make_runner", "worker_main"]
 
 
 def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
+    """The worker's model; for a rank of a group, once the group has formed (its collectives
+    connected), so Ready means the whole group can run."""
     from aioprefill.config import PADDLE_EXTRA_HINT, PaddleModel
 
+    grouped = spec.group_size > 1
     if isinstance(spec.model, PaddleModel):
         try:
             from aioprefill.workers.paddle_runner import PaddleRunner
         except ModuleNotFoundError as exc:  # EngineConfig checks first; this is the backstop
             raise ModuleNotFoundError(f"{exc}; PaddleModel needs {PADDLE_EXTRA_HINT}") from exc
 
-        return PaddleRunner(spec.model, spec.worker)
+        if not grouped:
+            return PaddleRunner(spec.model, spec.worker)
+        from aioprefill.workers.collectives import PaddleGroup
+
+        group = PaddleGroup(spec.rank, spec.group_size, spec.master, spec.collective_timeout_s)
+        return PaddleRunner(spec.model, spec.worker, group=group, mode=spec.parallel)
+    from aioprefill.workers.barrier import SocketBarrier
     from aioprefill.workers.sim import SimRunner
 
-    return SimRunner(spec.model)
+    if not grouped:
+        return SimRunner(spec.model)
+    barrier = SocketBarrier(spec.rank, spec.group_size, spec.master, spec.collective_timeout_s)
+    return SimRunner(spec.model, barrier)
 
 
 def _set_process_name(name: str) -> None:
@@ -85,6 +100,12 @@ def worker_main(spec_bytes: bytes, to_fds: tuple[int, int], from_fds: tuple[int,
     outbox = Channel.attach(spec.from_worker, *from_fds)
     try:
         _serve(spec, inbox, outbox, started_ns)
+    except CollectiveError as exc:
+        # The group is broken (a peer died or hung): exiting closes our sockets, which breaks
+        # any peer still waiting at once, and the engine restarts the whole group.
+        print(f"aioprefill worker {spec.worker} rank {spec.rank}: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(EXIT_GROUP_BROKEN)
     finally:
         inbox.close()
         outbox.close()
@@ -124,6 +145,8 @@ def _serve_batches(
         poller.register(engine_fd, select.POLLIN)
     out_buffer = bytearray(1 << 16)
     spill_above = spill.threshold(outbox.max_frame)
+    # Tensor-parallel ranks > 0 computed the same results as rank 0: they only acknowledge.
+    acknowledge_only = spec.parallel == "tp" and spec.rank > 0
     try:
         while True:
             for fd, _ in poller.poll():
@@ -137,7 +160,12 @@ def _serve_batches(
                     inbox.release()
                 if isinstance(msg, Shutdown):
                     return
-                reply = protocol.encode_into(_run_batch(runner, msg), out_buffer)
+                answer: BatchResult | BatchDone | BatchFailed = _run_batch(runner, msg)
+                if acknowledge_only and isinstance(answer, BatchResult):
+                    answer = BatchDone(
+                        answer.batch_id, answer.forward_start_ns, answer.forward_end_ns
+                    )
+                reply = protocol.encode_into(answer, out_buffer)
                 try:
                     if len(reply) > spill_above:  # big outputs: a segment, not the ring
                         name = spill.spill(reply, spec.engine_pid)
@@ -174,6 +202,8 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
         )
         out = runner.forward(batch)
         end_ns = time.monotonic_ns()
+    except CollectiveError:
+        raise  # not this batch's fault: the group broke
     except Exception as exc:
         end_ns = time.monotonic_ns()
         with contextlib.suppress(Exception):

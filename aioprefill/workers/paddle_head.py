@@ -27,6 +27,7 @@ import paddle
 from paddle.incubate.nn.functional import fused_rms_norm
 
 from aioprefill import protocol
+from aioprefill.workers.paddle_shard import Shard
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 __all__ = ["OutputHead", "host"]
@@ -66,8 +67,12 @@ class OutputHead:
         eps: float,
         *,
         tile_rows: int | None,
+        shard: Shard | None = None,
     ) -> None:
+        """`shard`: under tensor parallelism `lm_head` is this rank's vocabulary slice, and
+        each tile's per-row results are joined across the ranks (`Shard.head_rows`)."""
         self._lm_head = lm_head
+        self._shard = shard if shard is not None and shard.tp_size > 1 else None
         self._norm = norm
         self._eps = eps
         self._tile = tile_rows  # deterministic: fixed tiles of this many rows
@@ -196,7 +201,10 @@ class OutputHead:
             hn = fused_rms_norm(h[lo : lo + tile], self._norm, None, self._eps, 1)[0]
             logits = paddle.matmul(hn, self._lm_head, transpose_y=True).astype("float32")
             t = None if targets is None else targets[lo : lo + tile]
-            parts.append(_log_softmax_rows(logits, kmax, t))
+            if self._shard is None:
+                parts.append(_log_softmax_rows(logits, kmax, t))
+            else:  # parallel: a vocabulary slice per rank
+                parts.append(self._shard.head_rows(logits, kmax, t, _log_softmax_rows))
             if targets is None:
                 normed.append(host(hn).astype(np.float32, copy=True))
         joined = [

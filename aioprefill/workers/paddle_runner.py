@@ -48,9 +48,12 @@ from aioprefill.config import PaddleModel  # noqa: E402
 from aioprefill.errors import InvalidConfig  # noqa: E402
 from aioprefill.hf.tensors import layer_parts  # noqa: E402
 from aioprefill.kv import kv_layout  # noqa: E402
+from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.kv_writer import KVSegmentWriter, open_writers  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
+from aioprefill.workers.paddle_moe import MoE  # noqa: E402
+from aioprefill.workers.paddle_shard import Shard  # noqa: E402
 from aioprefill.workers.rope import rope_inv_freq  # noqa: E402
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402
 from aioprefill.workers.weights import iter_weights  # noqa: E402
@@ -91,6 +94,7 @@ class _Layer:
         "gate_up",
         "in_norm",
         "k_norm",
+        "moe",
         "o",
         "post_norm",
         "q_norm",
@@ -122,8 +126,11 @@ class _Layer:
             self.k_norm = t(w["k_norm"])
         # The rest keep HF's [out, in] layout, multiplied with transpose_y (as fast on MKL).
         self.o = t(w["o"])
-        self.gate_up = t(np.concatenate([w["gate"], w["up"]]))
-        self.down = t(w["down"])
+        # parallel: a mixture of experts replaces the dense MLP (paddle_moe)
+        self.moe = MoE(w, spec, t) if spec.num_experts else None
+        if self.moe is None:
+            self.gate_up = t(np.concatenate([w["gate"], w["up"]]))
+            self.down = t(w["down"])
         self.in_norm = t(w["in_norm"])
         self.post_norm = t(w["post_norm"])
 
@@ -140,8 +147,16 @@ class PaddleRunner:
 
     device: str
 
-    def __init__(self, spec: PaddleModel, worker_index: int = 0) -> None:
+    def __init__(
+        self,
+        spec: PaddleModel,
+        worker_index: int = 0,
+        group: PaddleGroup | None = None,
+        mode: str = "",
+    ) -> None:
         self.spec = spec
+        # parallel: this rank's share of the model (all of it alone), see paddle_shard
+        self._shard = Shard(spec, group, mode)
         self.device = _pick_device(spec, worker_index)
         if self.device == "cpu" and spec.dtype != "float32":
             raise InvalidConfig(
@@ -162,13 +177,17 @@ class PaddleRunner:
         self._cache: dict[int, KVCache] = {}
         self._deterministic = spec.deterministic
         tile = _HEAD_TILE_ROWS if spec.deterministic else None
-        self._outputs = OutputHead(self._lm_head, self._norm, spec.rms_norm_eps, tile_rows=tile)
+        self._outputs = OutputHead(
+            self._lm_head, self._norm, spec.rms_norm_eps, tile_rows=tile, shard=self._shard
+        )
         self._exports: dict[int, KVSegmentWriter] = {}  # KV exports the running forward writes
 
     # ------------------------------------------------------------------ public interface
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one packed batch; results for the requests whose `is_last` is set, in order."""
+        if self._shard.ep_size > 1 and not self._shard.in_step(batch, self._check, self._forward):
+            return ForwardOutput(*(np.empty(0, dtype=t) for t in (np.int64, np.int32, np.float64)))
         self._check(batch)
         try:
             with paddle.no_grad():
@@ -197,15 +216,25 @@ class PaddleRunner:
 
     # ------------------------------------------------------------------ internals
 
+    def _mlp(self, h: paddle.Tensor, layer: _Layer) -> paddle.Tensor:
+        """The dense SwiGLU MLP, or the layer's mixture of experts (partial sums under TP)."""
+        if layer.moe is not None:
+            return layer.moe.forward(h, self._shard.group if self._shard.ep_size > 1 else None)
+        return self._linear(F.swiglu(self._linear(h, layer.gate_up)), layer.down)
+
     def _load(self, spec: PaddleModel) -> None:
         """Move the weights onto the device as they stream in: a layer is built as soon as its
         last tensor arrives and its host arrays dropped, so loading holds about one layer on the
         host beyond the device copy, whatever the checkpoint's file layout."""
-        parts = layer_parts(spec)
+        shard = self._shard  # parallel: only this rank's slices
+        parts = tuple(p for p in layer_parts(spec) if shard.wants(p))
         pending: dict[int, dict[str, np.ndarray]] = {}
         layers: list[_Layer | None] = [None] * spec.num_layers
         top: dict[str, paddle.Tensor] = {}
         for layer, part, array in iter_weights(spec):
+            if not shard.wants(part):
+                continue
+            array = shard.take(part, array)
             if layer is None:
                 top[part] = paddle.to_tensor(array, dtype=spec.dtype)
                 continue
@@ -214,7 +243,7 @@ class PaddleRunner:
             if len(have) == len(parts):
                 layers[layer] = _Layer(pending.pop(layer), spec)
         self._embed = top["embed"]
-        self._lm_head = top.get("lm_head", self._embed)
+        self._lm_head = top["lm_head"] if "lm_head" in top else shard.vocab_rows(self._embed)
         self._norm = top["norm"]
         self._layers = [layer for layer in layers if layer is not None]
         if pending or len(self._layers) != spec.num_layers:
@@ -277,7 +306,7 @@ class PaddleRunner:
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         spec = self.spec
-        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        heads, kv_heads, dim = self._shard.heads, self._shard.kv_heads, spec.head_dim
         offsets = batch.offsets.astype(np.int64)
         lens = np.diff(offsets)
         total = int(offsets[-1])
@@ -331,9 +360,9 @@ class PaddleRunner:
             if rows > total:
                 outs.append(paddle.zeros([heads, rows - total, dim], dtype=x.dtype))
             attn = paddle.concat(outs, axis=1).transpose([1, 0, 2]).reshape([rows, heads * dim])
-            x = x + self._linear(attn, layer.o)
+            x = x + self._shard.reduce(self._linear(attn, layer.o))
             h = fused_rms_norm(x, layer.post_norm, None, eps, 1)[0]
-            x = x + self._linear(F.swiglu(self._linear(h, layer.gate_up)), layer.down)
+            x = x + self._shard.reduce(self._mlp(h, layer))
 
         ends = (batch.start_pos + lens).tolist()
         for rid, cache, last, end in zip(request_ids, caches, is_last, ends, strict=True):

@@ -23,10 +23,13 @@ from aioprefill.batching import Columns
 from aioprefill.config import EngineConfig
 from aioprefill.errors import ProtocolError
 from aioprefill.outputs import unspill
-from aioprefill.protocol import BatchFailed, BatchResult, Spilled
+from aioprefill.parallel import ParallelLayout
+from aioprefill.protocol import BatchDone, BatchFailed, BatchResult, Spilled
 from aioprefill.recovery import RestartBackoff
 from aioprefill.stats import StatsRecorder
-from aioprefill.workers.process import WorkerHandle
+from aioprefill.workers.answers import forward_done, pop_done, record_answer
+from aioprefill.workers.launch import launch_group
+from aioprefill.workers.restarts import Restarts
 from aioprefill.workers.slot import InFlightBatch, PoolEvents, WorkerSlot
 
 __all__ = ["WorkerPool"]
@@ -43,17 +46,22 @@ async def _cancel_and_wait(tasks: list[asyncio.Future[None]]) -> None:
 class WorkerPool:
     def __init__(self, config: EngineConfig, stats: StatsRecorder, events: PoolEvents) -> None:
         self.config = config
+        self.layout = ParallelLayout(config.num_workers, config.tp_size, config.expert_parallel)
+        ep = config.expert_parallel
+        shared = RestartBackoff(config.restart_window_s, config.max_restarts)
         self.slots = [
-            WorkerSlot(i, RestartBackoff(config.restart_window_s, config.max_restarts))
+            WorkerSlot(i, shared if ep else RestartBackoff(shared.window_s, shared.max_restarts))
             for i in range(config.num_workers)
         ]
-        self.restarts_allowed = False  # the engine opens this while it starts and runs
+        # Slots whose processes start, die and restart together: each replica alone, or all of
+        # them when they are the ranks of one expert-parallel group (one shared backoff).
+        self.sets = [self.slots] if ep else [[s] for s in self.slots]
+        self.restarts = Restarts(self._start_set, events)
         self._stats = stats
         self._events = events
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batch_ids = itertools.count(1)
         self._buffer = bytearray(1 << 16)
-        self._restart_tasks: set[asyncio.Task[None]] = set()
 
     # ---- views ----------------------------------------------------------------------------
 
@@ -77,36 +85,34 @@ class WorkerPool:
     async def start(self) -> None:
         """Start every group and wait until each is ready; on failure leave nothing running."""
         self._loop = asyncio.get_running_loop()
-        self.restarts_allowed = True
-        starts = [asyncio.ensure_future(self._start_slot(s)) for s in self.slots]
+        self.restarts.allowed = True
+        starts = [asyncio.ensure_future(self._start_set(s)) for s in self.sets]
         try:
             await asyncio.gather(*starts)
         except BaseException:
             # gather() leaves the other starts running: stop them (and any restart of a group
             # that died meanwhile) before their processes and channels are torn down.
-            self.restarts_allowed = False
-            await _cancel_and_wait([*starts, *self._restart_tasks])
+            self.restarts.allowed = False
+            await _cancel_and_wait([*starts, *self.restarts.tasks])
             for s in self.slots:
                 self._discard(s, kill=True)
             raise
 
-    async def _start_slot(self, slot: WorkerSlot) -> None:
-        handle = WorkerHandle(slot.index, self.config)
-        slot.ranks = [handle]
-        try:
-            handle.start()
-            await handle.wait_ready(self.config.worker_start_timeout_s)
-        except BaseException:
-            self._discard(slot, kill=True)
-            raise
+    async def _start_set(self, slots: list[WorkerSlot]) -> None:
+        """Start every rank of these slots as one group, wait until all are ready, watch them."""
+        await launch_group(slots, self.layout, self.config)
         loop = self._loop
-        assert loop is not None and handle.outbox is not None
-        loop.add_reader(handle.outbox.fds()[0], self._events.on_forward_done, slot)
-        loop.add_reader(handle.sentinel, self._on_exit, slot)
-        slot.ready = True
-        slot.ring_full = False
-        slot.last_forward_end_ns = 0
-        log.debug("worker %d ready (pid %d)", slot.index, handle.pid)
+        assert loop is not None
+        for slot in slots:
+            for handle in slot.ranks:
+                assert handle.outbox is not None
+                loop.add_reader(handle.outbox.fds()[0], self._events.on_forward_done, slot)
+                loop.add_reader(handle.sentinel, self._on_exit, slot)
+            slot.acked = [0] * len(slot.ranks)
+            slot.ready = True
+            slot.ring_full = False
+            slot.last_forward_end_ns = 0
+            log.debug("worker %d ready (pids %s)", slot.index, [h.pid for h in slot.ranks])
 
     def _unwatch(self, slot: WorkerSlot) -> None:
         """Stop reacting to the group's fds (its exit is then no longer a death)."""
@@ -135,8 +141,8 @@ class WorkerPool:
 
     async def close(self, timeout: float = 5.0) -> None:
         """Stop restarts, ask every group to exit, kill what is left after `timeout`."""
-        self.restarts_allowed = False
-        await _cancel_and_wait(list(self._restart_tasks))
+        self.restarts.allowed = False
+        await _cancel_and_wait(list(self.restarts.tasks))
         for slot in self.slots:
             self._unwatch(slot)  # from here on an exit is the shutdown, not a death
             self._cancel_timer(slot)
@@ -159,15 +165,23 @@ class WorkerPool:
         batch_id = next(self._batch_ids)
         now = time.monotonic_ns()
         data = protocol.encode_into(columns.pack(batch_id, slot.free_ids, now), self._buffer)
-        # One rank per group today. A tensor-parallel group writes `data` to every rank's ring
-        # after checking that each has room, so that no rank gets a batch its peers lack.
         ranks = slot.ranks
-        assert len(ranks) == 1, "multi-rank groups write every ring: see docs/architecture.md"
-        inbox = ranks[0].inbox
-        assert inbox is not None
-        if not inbox.send_nowait(data):
-            slot.ring_full = True
-            return None
+        if len(ranks) == 1:
+            inbox = ranks[0].inbox
+            assert inbox is not None
+            if not inbox.send_nowait(data):
+                slot.ring_full = True
+                return None
+        else:
+            # A tensor-parallel group: the same bytes to every rank, and only once each rank
+            # has room (ring space is the minimum over ranks): no rank gets a batch its peers
+            # lack, or its collectives would wait for them.
+            if not all(h.inbox is not None and h.inbox.has_room(len(data)) for h in ranks):
+                slot.ring_full = True
+                return None
+            for h in ranks:
+                assert h.inbox is not None
+                h.inbox.send_nowait(data)
         slot.free_ids = []
         num_tokens = columns.num_tokens
         batch = InFlightBatch(batch_id, num_tokens, now, backlogged)
@@ -176,6 +190,8 @@ class WorkerPool:
         slot.in_flight.append(batch)
         stats = self._stats
         stats.batches += 1
+        if not len(columns):
+            stats.empty_batches += 1  # an expert-parallel rank kept in step
         stats.tokens += num_tokens
         stats.batch_size.add(len(columns))
         stats.batch_tokens.add(num_tokens)
@@ -188,48 +204,48 @@ class WorkerPool:
     # ---- answers --------------------------------------------------------------------------
 
     def answer_waiting(self, slot: WorkerSlot) -> bool:
-        """Whether the group's answer is already in its ring (not a stale wake-up)."""
-        handle = slot.handle
-        if handle is None or handle.outbox is None:
-            return False
-        try:
-            return handle.outbox.recv_nowait() is not None
-        except ProtocolError:
-            return False  # read_answers deals with a corrupt ring
+        """Whether the group's forward is over: every rank answered its oldest batch or has
+        the answer in its ring (not a stale wake-up)."""
+        return forward_done(slot)
 
     def read_answers(self, slot: WorkerSlot) -> None:
-        """Read every message the group wrote, then act on each."""
+        """Read every message the group's ranks wrote, then act on each."""
         ranks = slot.ranks
-        if not ranks or ranks[0].outbox is None:
-            return
-        handle, outbox = ranks[0], ranks[0].outbox
-        outbox.wait_blocking(0)  # consume the eventfd count
-        while slot.ranks is ranks:
-            try:
-                view = outbox.recv_nowait()
-            except ProtocolError as exc:  # the ring itself is corrupt: so is the worker
-                self._stats.protocol_errors += 1
-                log.error("worker %d: its result ring is corrupt (%s); killing it", slot.index, exc)
-                handle.kill()
-                self._on_death(slot)
-                return
-            if view is None:
-                return
-            try:
-                msg = protocol.decode_from_worker(view)
-            except ProtocolError as exc:
-                self._stats.protocol_errors += 1
-                log.warning("worker %d sent a malformed message: %s", slot.index, exc)
+        for rank, handle in enumerate(ranks):
+            outbox = handle.outbox
+            if outbox is None:
                 continue
-            finally:
-                outbox.release()
-            if isinstance(msg, Spilled):  # a result too big for the ring
-                msg = self._unspill(slot, msg)
-            if isinstance(msg, (BatchResult, BatchFailed)):
-                self._on_answer(slot, msg)
-            else:
-                self._stats.protocol_errors += 1
-                log.warning("worker %d sent an unexpected %s", slot.index, type(msg).__name__)
+            outbox.wait_blocking(0)  # consume the eventfd count
+            while slot.ranks is ranks:
+                try:
+                    view = outbox.recv_nowait()
+                except ProtocolError as exc:  # the ring itself is corrupt: so is the worker
+                    self._stats.protocol_errors += 1
+                    log.error(
+                        "worker %d: its result ring is corrupt (%s); killing it", slot.index, exc
+                    )
+                    handle.kill()
+                    self._on_death(slot)
+                    return
+                if view is None:
+                    break
+                try:
+                    msg = protocol.decode_from_worker(view)
+                except ProtocolError as exc:
+                    self._stats.protocol_errors += 1
+                    log.warning("worker %d sent a malformed message: %s", slot.index, exc)
+                    continue
+                finally:
+                    outbox.release()
+                if isinstance(msg, Spilled):  # a result too big for the ring
+                    msg = self._unspill(slot, msg)
+                if isinstance(msg, (BatchResult, BatchDone, BatchFailed)):
+                    self._on_answer(slot, rank, msg)
+                else:
+                    self._stats.protocol_errors += 1
+                    log.warning("worker %d sent an unexpected %s", slot.index, type(msg).__name__)
+            if slot.ranks is not ranks:
+                return
 
     def _unspill(self, slot: WorkerSlot, msg: Spilled) -> BatchResult | BatchFailed:
         try:
@@ -240,15 +256,22 @@ class WorkerPool:
             now = time.monotonic_ns()
             return BatchFailed(msg.batch_id, now, now, "ProtocolError", str(exc))
 
-    def _on_answer(self, slot: WorkerSlot, msg: BatchResult | BatchFailed) -> None:
-        in_flight = slot.in_flight
-        if not in_flight or in_flight[0].batch_id != msg.batch_id:
+    def _on_answer(
+        self, slot: WorkerSlot, rank: int, msg: BatchResult | BatchDone | BatchFailed
+    ) -> None:
+        refused = record_answer(slot, rank, msg)
+        if refused:
             self._stats.protocol_errors += 1
-            log.warning("worker %d answered unknown batch %d", slot.index, msg.batch_id)
+            log.warning("worker %d %s", slot.index, refused)
             return
-        batch = in_flight.popleft()
+        while (batch := pop_done(slot)) is not None:
+            self._complete(slot, batch)
+
+    def _complete(self, slot: WorkerSlot, batch: InFlightBatch) -> None:
+        msg = batch.answer
+        assert msg is not None
         self._cancel_timer(slot)
-        if in_flight:
+        if slot.in_flight:
             self._arm_timer(slot)
         if batch.backlogged and slot.last_forward_end_ns:
             self._stats.bubble_us.add((msg.forward_start_ns - slot.last_forward_end_ns) / 1e3)
@@ -286,42 +309,35 @@ class WorkerPool:
         if slot.ranks is ranks:  # (unless reading them found its ring corrupt: handled there)
             self._on_death(slot)
 
+    def _set_of(self, slot: WorkerSlot) -> list[WorkerSlot]:
+        return self.sets[0] if self.layout.expert_parallel else [slot]
+
     def _on_death(self, slot: WorkerSlot) -> None:
-        handle = slot.ranks[0]
-        assert handle.process is not None
-        handle.process.join(timeout=5.0)  # reaps it: immediate once its sentinel fired
-        code = handle.process.exitcode
-        log.error("worker %d (pid %d) died with exit code %s", slot.index, handle.pid, code)
-        self._discard(slot, kill=True)  # any rank's death is the whole group's
-        slot.ring_full = False
-        lost, slot.in_flight = slot.in_flight, deque()
-        slot.free_ids = []
-        self._events.on_death(slot, lost, f"worker {slot.index} died (exit code {code})")
-        # A group that dies while the others still start is restarted too (once running).
-        if self.restarts_allowed:
-            self._restart_later(slot)
-
-    def _restart_later(self, slot: WorkerSlot) -> None:
-        delay = slot.backoff.note_death(time.monotonic())
-        if delay is None:
-            deaths, window = len(slot.backoff.deaths), self.config.restart_window_s
-            log.error(
-                "worker %d died %d times in %.0f s: not restarting", slot.index, deaths, window
+        """Any rank's death is its group's: every rank of the group (of every slot, for an
+        expert-parallel group) is stopped, their batches in flight handed to the engine, and
+        the group restarted as a whole after the backoff."""
+        dead = next((h for h in slot.ranks if not h.is_alive()), slot.ranks[0])
+        assert dead.process is not None
+        dead.process.join(timeout=5.0)  # reaps it: immediate once its sentinel fired
+        code = dead.process.exitcode
+        rank = f" rank {slot.ranks.index(dead)}" if len(slot.ranks) > 1 else ""
+        where = f"worker {slot.index}{rank}"
+        log.error("%s (pid %d) died with exit code %s", where, dead.pid, code)
+        why = f"{where} died (exit code {code})"
+        group = self._set_of(slot)
+        for other in group:
+            if other is not slot and other.ready:
+                other.ready = False
+                self.read_answers(other)  # what its peers finished before the group broke
+        for s in group:
+            self._discard(s, kill=True)  # (its batches stay listed until reported below)
+        for s in group:
+            s.ring_full = False
+            lost, s.in_flight = s.in_flight, deque()
+            s.free_ids = []
+            self._events.on_death(
+                s, lost, why if s is slot else f"{why}: its expert-parallel group broke"
             )
-            self._events.on_gave_up(slot)
-            return
-        task = asyncio.get_running_loop().create_task(self._restart(slot, delay))
-        self._restart_tasks.add(task)
-        task.add_done_callback(self._restart_tasks.discard)
-
-    async def _restart(self, slot: WorkerSlot, delay: float) -> None:
-        await asyncio.sleep(delay)  # backoff between restarts, off the hot path
-        if not self.restarts_allowed:
-            return
-        try:
-            await self._start_slot(slot)
-        except Exception as exc:  # any failure (no fork, no shm, bad Ready) counts as a death
-            log.error("worker %d could not be restarted: %r", slot.index, exc)
-            self._restart_later(slot)
-            return
-        self._events.on_restarted(slot)
+        # A group that dies while the others still start is restarted too (once running).
+        if self.restarts.allowed:
+            self.restarts.schedule(group)

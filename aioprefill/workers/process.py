@@ -17,7 +17,7 @@ import signal
 import time
 from multiprocessing import reduction
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Literal
 
 from aioprefill import protocol
 from aioprefill.config import EngineConfig, PaddleModel
@@ -70,7 +70,19 @@ class WorkerHandle:
     outbox: Channel | None = None  # worker -> engine
     ready: Ready | None = None
 
-    def __init__(self, index: int, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        index: int,
+        config: EngineConfig,
+        *,
+        rank: int = 0,
+        group_size: int = 1,
+        group: int = 0,
+        parallel: Literal["", "tp", "ep"] = "",
+        master: str = "",
+    ) -> None:
+        """Worker process `index` (its place among all ranks); as a rank of a group of
+        `group_size`, it meets its peers at `master` ("host:port")."""
         self.index = index
         capacity = config.effective_ring_capacity()
         self.inbox = Channel.create(capacity, tag=f"w{index}-in")
@@ -85,6 +97,11 @@ class WorkerHandle:
             to_worker=self.inbox.spec,
             from_worker=self.outbox.spec,
             engine_pid=os.getpid(),
+            rank=rank,
+            group_size=group_size,
+            group=group,
+            parallel=parallel,
+            master=master,
         )
         self._method = start_method_for(config)
 

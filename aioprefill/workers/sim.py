@@ -9,6 +9,11 @@ The output options get synthetic but deterministic values, each a function of th
 alone (so batch- and chunk-invariant), with the shapes and types a real model gives: the
 `sim_*` functions below say what a `SimModel` worker returns; the KV export has the shape of
 `aioprefill.kv.SIM_KV_LAYOUT` and the embedding `SIM_EMBED_DIM` values.
+
+As a rank of a tensor- or expert-parallel group it meets its peers at a real barrier after
+every forward (`SocketBarrier`), so a step costs what the slowest rank costs and a rank that
+skips a step blocks the others, as the collectives of a real model would. An empty batch (what
+an idle expert-parallel rank gets) sleeps the fixed cost and joins the barrier.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 from aioprefill import protocol
 from aioprefill.config import SimModel
 from aioprefill.kv import SIM_KV_LAYOUT
+from aioprefill.workers.barrier import SocketBarrier
 from aioprefill.workers.kv_writer import open_writers
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
@@ -128,14 +134,20 @@ class _State:
 class SimRunner:
     device = "sim"
 
-    def __init__(self, spec: SimModel) -> None:
+    def __init__(self, spec: SimModel, barrier: SocketBarrier | None = None) -> None:
         self.spec = spec
+        self.barrier = barrier
         self._partial: dict[int, _State] = {}  # request id -> state after its chunks so far
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         seq_lens = batch.seq_lens()
         self._inject_faults(batch.tokens)
         time.sleep(self.spec.forward_seconds(seq_lens.tolist()))
+        if self.barrier is not None:
+            self.barrier.wait()  # the step ends when the slowest rank's forward does
+            self._inject_failure(batch.tokens)  # after the barrier: the group stays in step
+            if self.barrier.rank == self.spec.slow_rank:
+                time.sleep(self.spec.slow_rank_ms * 1e-3)
         if batch.options is None and batch.top_k is None:
             return self._plain(batch)
         return self._with_options(batch)
@@ -226,10 +238,14 @@ class SimRunner:
             embeddings=np.stack(embeds) if embeds else np.empty((0, 0), np.float32),
         )
 
+    def _inject_failure(self, tokens: np.ndarray) -> None:
+        if self.spec.fail_token >= 0 and np.any(tokens == self.spec.fail_token):
+            raise RuntimeError(f"injected failure: batch holds token {self.spec.fail_token}")
+
     def _inject_faults(self, tokens: np.ndarray) -> None:
         spec = self.spec
-        if spec.fail_token >= 0 and np.any(tokens == spec.fail_token):
-            raise RuntimeError(f"injected failure: batch holds token {spec.fail_token}")
+        if self.barrier is None:
+            self._inject_failure(tokens)
         if spec.crash_token >= 0 and np.any(tokens == spec.crash_token):
             os._exit(70)  # a hard crash: no result, no goodbye
         if spec.hang_token >= 0 and np.any(tokens == spec.hang_token):

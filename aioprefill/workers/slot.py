@@ -30,6 +30,8 @@ class InFlightBatch:
     dispatched_ns: int
     backlogged: bool  # work was waiting when it was sent: the gap before it is a bubble
     chunks: list[Chunk] = field(default_factory=list)  # filled by the Scheduler once sent
+    answers: int = 0  # ranks of the group that answered it so far
+    answer: BatchResult | BatchFailed | None = None  # rank 0's, or the first rank's failure
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +39,8 @@ class WorkerSlot:
     index: int
     backoff: RestartBackoff
     ranks: list[WorkerHandle] = field(default_factory=list)  # rank 0 first; empty when down
+    # acked[r]: how many of the batches in flight (from the oldest) rank r answered
+    acked: list[int] = field(default_factory=list)
     in_flight: deque[InFlightBatch] = field(default_factory=deque)
     free_ids: list[int] = field(default_factory=list)  # KV state to drop with the next batch
     ready: bool = False

@@ -54,6 +54,14 @@ def test_workload_flags(tmp_path):
     assert o.progress is False and o.needs_capacity
 
 
+def test_parallel_flags():
+    o = parse_options(["--model=sim", "--workers=2", "--tp=2"])
+    assert (o.num_workers, o.tp_size, o.expert_parallel) == (2, 2, False)
+    assert o.policies == list(POLICIES)
+    o = parse_options(["--model=sim", "--workers=2", "--ep", "--rate=20,40"])
+    assert (o.tp_size, o.expert_parallel, o.policies) == (1, True, ["forward", "ep-timer"])
+
+
 def test_trace_replaces_lengths_and_rates():
     o = parse_options(["--model", "sim", "--trace", str(DATA / "azure_sample.csv")])
     assert o.trace is not None and len(o.trace) == 120
@@ -93,6 +101,12 @@ BAD = [
     (["--json", "/nonexistent/dir/out.json"], "--json"),
     (["--loop", "trio"], "--loop"),
     (["--bogus"], "--bogus"),
+    (["--tp", "0"], "--tp"),
+    (["--ep"], "--ep"),  # one worker
+    (["--ep", "--workers", "2", "--tp", "2"], "--ep"),
+    (["--ep", "--workers", "2", "--rate", "5", "--policy", "eager"], "--policy"),
+    (["--policy", "ep-timer"], "--policy"),
+    (["--ep", "--workers", "2"], "--rate"),  # the default rates are fractions of eager's
 ]
 
 

@@ -90,8 +90,9 @@ class Harness:
         max_batch_tokens: int = 100,
         max_batch_size: int = 8,
         batch_timeout_ms: float = 10.0,
+        expert_parallel: bool = False,
     ) -> None:
-        cls = policy_class(policy)
+        cls = policy_class(policy, expert_parallel=expert_parallel)
         self.sched = Scheduler(Budget(max_batch_tokens, max_batch_size), staging=cls.staging)
         self.pool = FakePool(groups, capacity)
         self.timer = FakeTimer()

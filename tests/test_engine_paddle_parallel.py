@@ -1,0 +1,47 @@
+"""PaddleModel through the whole engine with rank groups: a tensor-parallel group of 2 and an
+expert-parallel MoE over 2 ranks answer like one unsharded worker (tokens equal, |dlogprob|
+<= 1e-5), including a chunked prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import msgspec
+import pytest
+
+from aioprefill import Engine, EngineConfig, PaddleModel
+from tests.model.batches import SMALL
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
+
+
+def prompts(seed: int) -> list[list[int]]:
+    print("seed", seed)
+    rng = random.Random(seed)
+    short = [[rng.randrange(512) for _ in range(rng.randrange(1, 40))] for _ in range(12)]
+    return [*short, [rng.randrange(512) for _ in range(150)]]  # chunked at 64 tokens
+
+
+async def answers(model: PaddleModel, batch: list[list[int]], **cfg) -> list[tuple[int, float]]:
+    config = EngineConfig(model=model, max_batch_tokens=64, **cfg)
+    async with Engine(config) as engine:
+        results = await asyncio.gather(*(engine.prefill(p) for p in batch))
+    return [(r.token, r.logprob) for r in results]
+
+
+def same(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> None:
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)) <= 1e-5
+
+
+async def test_tp2_group_answers_like_one_worker():
+    batch = prompts(random.randrange(1 << 20))
+    same(await answers(SMALL, batch, tp_size=2), await answers(SMALL, batch))
+
+
+async def test_ep2_moe_answers_like_the_unsharded_moe():
+    model = msgspec.structs.replace(SMALL, num_experts=4, num_experts_per_tok=2, seed=5)
+    batch = prompts(random.randrange(1 << 20))
+    got = await answers(model, batch, num_workers=2, expert_parallel=True)
+    same(got, await answers(model, batch))
