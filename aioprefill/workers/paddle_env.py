@@ -19,7 +19,7 @@ import ctypes
 import ctypes.util
 import os
 
-__all__ = ["configure_math_libraries", "is_amd_cpu", "keep_freed_memory"]
+__all__ = ["configure_math_libraries", "cpu_has_avx512f", "is_amd_cpu", "keep_freed_memory"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -33,6 +33,18 @@ def is_amd_cpu() -> bool:
             for line in f:
                 if line.startswith("vendor_id"):
                     return "AuthenticAMD" in line
+    except OSError:
+        pass
+    return False
+
+
+def cpu_has_avx512f() -> bool:
+    """Whether /proc/cpuinfo lists the avx512f flag (False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512f" in line.split()
     except OSError:
         pass
     return False

@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import numpy as np
 import paddle
-from paddle.incubate.nn.functional import fused_rms_norm
 
 from aioprefill import protocol
+from aioprefill.workers.paddle_norm import RmsNorm
 from aioprefill.workers.paddle_shard import Shard
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
@@ -66,15 +66,18 @@ class OutputHead:
         norm: paddle.Tensor,
         eps: float,
         *,
+        rms_norm: RmsNorm,
         tile_rows: int | None,
         shard: Shard | None = None,
     ) -> None:
-        """`shard`: under tensor parallelism `lm_head` is this rank's vocabulary slice, and
-        each tile's per-row results are joined across the ranks (`Shard.head_rows`)."""
+        """`rms_norm`: the final norm's kernel (`paddle_norm.rms_norm_for`). `shard`: under
+        tensor parallelism `lm_head` is this rank's vocabulary slice, and each tile's per-row
+        results are joined across the ranks (`Shard.head_rows`)."""
         self._lm_head = lm_head
         self._shard = shard if shard is not None and shard.tp_size > 1 else None
         self._norm = norm
         self._eps = eps
+        self._rms_norm = rms_norm
         self._tile = tile_rows  # deterministic: fixed tiles of this many rows
         self._carry: dict[int, paddle.Tensor] = {}  # rid -> last row's hidden state [1, hidden]
         self._sums: dict[int, np.ndarray] = {}  # rid -> float64 sum of final-norm rows so far
@@ -172,7 +175,7 @@ class OutputHead:
             return
         for i in np.flatnonzero(batch.has(protocol.OPT_EMBED_MEAN)).tolist():
             a, b = int(offsets[i]), int(offsets[i + 1])
-            rows = fused_rms_norm(x[a:b], self._norm, None, self._eps, 1)[0]
+            rows = self._rms_norm(x[a:b], self._norm, self._eps)
             total: np.ndarray
             if rows.place.is_cpu_place():  # summed in float64 without a float64 copy
                 total = np.asarray(np.sum(host(rows), axis=0, dtype=np.float64))
@@ -198,7 +201,7 @@ class OutputHead:
                 targets = np.concatenate([targets, np.zeros(padded - rows, dtype=np.int64)])
         normed, parts = [], []
         for lo in range(0, padded, tile):
-            hn = fused_rms_norm(h[lo : lo + tile], self._norm, None, self._eps, 1)[0]
+            hn = self._rms_norm(h[lo : lo + tile], self._norm, self._eps)
             logits = paddle.matmul(hn, self._lm_head, transpose_y=True).astype("float32")
             t = None if targets is None else targets[lo : lo + tile]
             if self._shard is None:

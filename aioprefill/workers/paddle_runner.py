@@ -42,7 +42,6 @@ import numpy as np  # noqa: E402
 warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
 import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
-from paddle.incubate.nn.functional import fused_rms_norm  # noqa: E402
 
 from aioprefill.config import PaddleModel  # noqa: E402
 from aioprefill.errors import InvalidConfig  # noqa: E402
@@ -53,6 +52,7 @@ from aioprefill.workers.kv_writer import KVSegmentWriter, open_writers  # noqa: 
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle_moe import MoE  # noqa: E402
+from aioprefill.workers.paddle_norm import rms_norm_for  # noqa: E402
 from aioprefill.workers.paddle_shard import Shard  # noqa: E402
 from aioprefill.workers.rope import rope_inv_freq  # noqa: E402
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402
@@ -163,6 +163,7 @@ class PaddleRunner:
                 f"PaddleModel.dtype: {spec.dtype} needs a GPU; the CPU runs float32"
             )
         paddle.set_device(self.device)
+        self._rms_norm = rms_norm_for(self.device)
         if self.device == "cpu":
             keep_freed_memory()
             # MKL's thread count (paddle's default is 1); OMP_NUM_THREADS is read too early.
@@ -178,7 +179,12 @@ class PaddleRunner:
         self._deterministic = spec.deterministic
         tile = _HEAD_TILE_ROWS if spec.deterministic else None
         self._outputs = OutputHead(
-            self._lm_head, self._norm, spec.rms_norm_eps, tile_rows=tile, shard=self._shard
+            self._lm_head,
+            self._norm,
+            spec.rms_norm_eps,
+            rms_norm=self._rms_norm,
+            tile_rows=tile,
+            shard=self._shard,
         )
         self._exports: dict[int, KVSegmentWriter] = {}  # KV exports the running forward writes
 
@@ -331,9 +337,9 @@ class PaddleRunner:
         ]
         bounds = list(itertools.pairwise(offsets.tolist()))
         exports = self._exports = open_writers(batch, kv_layout(spec))
-        eps = spec.rms_norm_eps
+        eps, rms_norm = spec.rms_norm_eps, self._rms_norm
         for index, layer in enumerate(self._layers):
-            h = fused_rms_norm(x, layer.in_norm, None, eps, 1)[0]
+            h = rms_norm(x, layer.in_norm, eps)
             qkv = self._project(h, layer.qkv)  # [heads + 2 * kv_heads, rows, dim]
             if layer.qkv_bias is not None:
                 # Spread over the rows by a rank-1 product, then an equal-shape add: paddle's CPU
@@ -344,8 +350,8 @@ class PaddleRunner:
             if layer.q_norm is not None and layer.k_norm is not None:
                 qk = paddle.concat(
                     [
-                        fused_rms_norm(qk[:heads], layer.q_norm, None, eps, 2)[0],
-                        fused_rms_norm(qk[heads:], layer.k_norm, None, eps, 2)[0],
+                        rms_norm(qk[:heads], layer.q_norm, eps),
+                        rms_norm(qk[heads:], layer.k_norm, eps),
                     ]
                 )
             qk = qk * cos + paddle.roll(qk, dim // 2, axis=-1) * sin
@@ -361,7 +367,7 @@ class PaddleRunner:
                 outs.append(paddle.zeros([heads, rows - total, dim], dtype=x.dtype))
             attn = paddle.concat(outs, axis=1).transpose([1, 0, 2]).reshape([rows, heads * dim])
             x = x + self._shard.reduce(self._linear(attn, layer.o))
-            h = fused_rms_norm(x, layer.post_norm, None, eps, 1)[0]
+            h = rms_norm(x, layer.post_norm, eps)
             x = x + self._shard.reduce(self._mlp(h, layer))
 
         ends = (batch.start_pos + lens).tolist()
