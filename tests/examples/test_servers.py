@@ -124,7 +124,9 @@ async def test_load_bad_bodies_and_disconnect(example):
     seed = random.randrange(1 << 30)
     print("seed", seed)
     rng = random.Random(seed)
-    flags = ("--sim-fixed-ms", "5", "--sim-per-token-us", "100", "--max-prompt-tokens", "4000")
+    # 500 us a token: the 3000-token request below stays in flight 1.5 s, long enough for the
+    # disconnect and the deadline checks to land inside it on a loaded 2-core CI machine.
+    flags = ("--sim-fixed-ms", "5", "--sim-per-token-us", "500", "--max-prompt-tokens", "4000")
     limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
     with run_example(example, *flags) as server:
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
@@ -163,7 +165,7 @@ async def test_load_bad_bodies_and_disconnect(example):
             # A client that disconnects mid-flight: its request is cancelled in the engine.
             before = await scrape(client, server)
             _, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            body = b'{"tokens": [%s]}' % b",".join([b"7"] * 3000)  # a 300 ms forward
+            body = b'{"tokens": [%s]}' % b",".join([b"7"] * 3000)  # a 1.5 s forward
             writer.write(
                 b"POST /prefill HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
@@ -217,7 +219,9 @@ async def test_load_bad_bodies_and_disconnect(example):
 
 
 async def test_sigterm_answers_every_request_in_flight_and_leaves_nothing(example):
-    flags = ("--sim-fixed-ms", "300", "--sim-per-token-us", "0")
+    # 2 s forwards: the probe below must still see work in flight after the last of 200
+    # requests has arrived, even when a loaded machine makes it late by a second.
+    flags = ("--sim-fixed-ms", "2000", "--sim-per-token-us", "0")
     limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
     with run_example(example, *flags) as server:
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
