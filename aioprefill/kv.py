@@ -2,7 +2,8 @@
 
 With `return_kv=True` the engine names a segment for the request (`aioprefill-{engine pid}-
 {16 random hex}-kv.{engine tag}`), the worker creates it (0600) when the prompt's last chunk
-runs and writes every layer's K and V straight into it, and the result carries a `KVExport`
+runs and writes every layer's K and V straight into it (in a tensor-parallel group rank 0
+creates it and each rank writes its own KV heads), and the result carries a `KVExport`
 handle: zero-copy NumPy views, `close()` / `with`. Nothing of it crosses the result ring.
 
 Segment layout (C order, the model's dtype, no header; docs/kv-export.md):

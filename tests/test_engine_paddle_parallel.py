@@ -8,6 +8,7 @@ import asyncio
 import random
 
 import msgspec
+import numpy as np
 import pytest
 
 from aioprefill import Engine, EngineConfig, PaddleModel
@@ -45,3 +46,63 @@ async def test_ep2_moe_answers_like_the_unsharded_moe():
     batch = prompts(random.randrange(1 << 20))
     got = await answers(model, batch, num_workers=2, expert_parallel=True)
     same(got, await answers(model, batch))
+
+
+# ---------------------------------------------------------------- KV export from rank groups
+
+
+async def exports(model: PaddleModel, batch: list[list[int]], **cfg) -> list[tuple]:
+    """(token, logprob, keys, values) per prompt; every other prompt asks for its KV (the rest
+    pay no KV collective), chunked at 24 tokens so a long prompt's past comes from the cache."""
+    config = EngineConfig(model=model, max_batch_tokens=24, **cfg)
+    async with Engine(config) as engine:
+        rs = await asyncio.gather(
+            *(engine.prefill(p, return_kv=i % 2 == 0) for i, p in enumerate(batch))
+        )
+        assert max(r.num_chunks for r in rs) > 1
+        out = []
+        for r in rs:
+            if r.kv is None:
+                out.append((r.token, r.logprob, None, None))
+                continue
+            with r.kv as kv:
+                out.append((r.token, r.logprob, kv.keys.copy(), kv.values.copy()))
+    return out
+
+
+def same_kv(got: list[tuple], want: list[tuple], model: PaddleModel) -> None:
+    same([(t, lp) for t, lp, _, _ in got], [(t, lp) for t, lp, _, _ in want])
+    for i, ((_, _, gk, gv), (_, _, wk, wv)) in enumerate(zip(got, want, strict=True)):
+        if wk is None:
+            assert gk is None
+            continue
+        assert gk.shape == wk.shape == (model.num_layers, model.num_kv_heads, wk.shape[2], 16)
+        for name, a, b in (("keys", gk, wk), ("values", gv, wv)):
+            # every layer and every KV head: a rank's slice, not its one head broadcast
+            diff = np.abs(a - b).max(axis=(2, 3))
+            assert diff.max() <= 1e-5, f"prompt {i} {name}: |d| per [layer, head] {diff}"
+
+
+def kv_prompts(seed: int) -> list[list[int]]:
+    print("seed", seed)
+    rng = random.Random(seed)
+    short = [[rng.randrange(512) for _ in range(rng.randrange(1, 20))] for _ in range(5)]
+    return [[rng.randrange(512) for _ in range(61)], *short]  # 3 chunks of <= 24 tokens
+
+
+@pytest.mark.parametrize(
+    "model",
+    [SMALL, msgspec.structs.replace(SMALL, num_kv_heads=4, seed=8)],
+    ids=["1-kv-head-per-rank", "2-kv-heads-per-rank"],
+)
+async def test_tp2_kv_export_matches_one_worker(model: PaddleModel):
+    batch = kv_prompts(random.randrange(1 << 20))
+    same_kv(await exports(model, batch, tp_size=2), await exports(model, batch), model)
+
+
+async def test_ep2_kv_export_matches_the_unsharded_moe():
+    """Under expert parallelism each rank runs its own requests with every KV head."""
+    model = msgspec.structs.replace(SMALL, num_experts=4, num_experts_per_tok=2, seed=5)
+    batch = kv_prompts(random.randrange(1 << 20))
+    got = await exports(model, batch, num_workers=2, expert_parallel=True)
+    same_kv(got, await exports(model, batch), model)

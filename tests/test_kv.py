@@ -113,6 +113,20 @@ async def test_failed_crashed_and_cancelled_requests_leave_nothing():
         assert kv_segments(engine) == []
 
 
+@pytest.mark.asyncio
+async def test_a_tp_sim_group_exports_rank_0s_kv_into_fresh_segments():
+    """Rank 0 alone writes a TP SimModel group's export: two ranks creating one fresh segment
+    raced (one mapped it before the other had sized it: `ForwardFailed`, ~1 batch in 100)."""
+    async with Engine(EngineConfig(model=sim(), tp_size=2)) as engine:
+        prompts = [[i, 7, i + 3] for i in range(40)]
+        rs = await asyncio.gather(*(engine.prefill(p, return_kv=True) for p in prompts))
+        for p, r in zip(prompts, rs, strict=True):
+            with r.kv as kv:
+                keys, values = sim_kv(p)
+                assert np.array_equal(kv.keys, keys) and np.array_equal(kv.values, values)
+        assert engine._kv.num_open == 0
+
+
 @pytest.mark.parametrize("mode", ["exit", "kill", "kill-tracker"])
 def test_a_caller_that_dies_holding_exports_leaks_nothing(mode: str):
     """`exit`/`kill`: the caller's resource tracker removes its exports once it is gone.

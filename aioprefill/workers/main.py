@@ -65,7 +65,7 @@ def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
     if not grouped:
         return SimRunner(spec.model)
     barrier = SocketBarrier(spec.rank, spec.group_size, spec.master, spec.collective_timeout_s)
-    return SimRunner(spec.model, barrier)
+    return SimRunner(spec.model, barrier, writes_kv=spec.parallel != "tp" or spec.rank == 0)
 
 
 def _set_process_name(name: str) -> None:

@@ -48,7 +48,7 @@ from aioprefill.errors import InvalidConfig  # noqa: E402
 from aioprefill.hf.tensors import layer_parts  # noqa: E402
 from aioprefill.kv import kv_layout  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
-from aioprefill.workers.kv_writer import KVSegmentWriter, open_writers  # noqa: E402
+from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle_moe import MoE  # noqa: E402
@@ -186,7 +186,8 @@ class PaddleRunner:
             tile_rows=tile,
             shard=self._shard,
         )
-        self._exports: dict[int, KVSegmentWriter] = {}  # KV exports the running forward writes
+        self._kv_share = self._shard.kv_share()  # parallel: this rank's KV heads of an export
+        self._exports = KVWriters()  # KV exports the running forward writes
 
     # ------------------------------------------------------------------ public interface
 
@@ -202,11 +203,10 @@ class PaddleRunner:
             # attend() extends a request's cache layer by layer: after a failure part-way the
             # layers disagree, so the batch's chunked requests cannot continue.
             self.free(batch.request_ids)
-            for writer in self._exports.values():
-                writer.discard()
+            self._exports.discard()
             raise
         finally:
-            self._exports = {}
+            self._exports = KVWriters()
 
     def free(self, request_ids: np.ndarray) -> None:
         """Drop the KV state kept for these requests (unknown ids are ignored)."""
@@ -336,7 +336,7 @@ class PaddleRunner:
             for rid, start in zip(request_ids, batch.start_pos.tolist(), strict=True)
         ]
         bounds = list(itertools.pairwise(offsets.tolist()))
-        exports = self._exports = open_writers(batch, kv_layout(spec))
+        exports = self._exports = open_writers(batch, kv_layout(spec), self._kv_share)
         eps, rms_norm = spec.rms_norm_eps, self._rms_norm
         for index, layer in enumerate(self._layers):
             h = rms_norm(x, layer.in_norm, eps)
@@ -378,8 +378,7 @@ class PaddleRunner:
                 cache.length = end
                 self._cache[rid] = cache
         out = self._head(x, batch, offsets)
-        for writer in exports.values():
-            writer.close()
+        exports.close()
         return out
 
     def _head(self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray) -> ForwardOutput:

@@ -8,6 +8,8 @@ norms, and a `1/tp` slice of everything else.
   `[r*F/tp, (r+1)*F/tp)`, as do the experts' w1/w3.
 - o and down (and the experts' w2) are row-parallel: the matching columns, so each rank's
   product is a partial sum, and one all_reduce per block (`reduce`) adds them up.
+- A KV export (`kv_writer`): each rank writes its KV heads' slice of the shared segment, which
+  rank 0 alone creates; `kv_share` gives the slice and the all_reduce that orders the two.
 - The LM head is vocab-parallel: rank r keeps rows `[r*V/tp, (r+1)*V/tp)` and runs the head's
   per-row reductions on its slice (max, first argmax, log-sum-exp, top-k, a target's logit);
   one all_gather of those per tile gives the global argmax (the lowest index among the ranks
@@ -34,6 +36,7 @@ import paddle
 
 from aioprefill.config import PaddleModel
 from aioprefill.workers.collectives import PaddleGroup
+from aioprefill.workers.kv_writer import ALONE, KVShare
 from aioprefill.workers.runner import ForwardBatch
 
 __all__ = ["Shard", "idle_batch"]
@@ -113,6 +116,20 @@ class Shard:
         with paddle.no_grad():
             run(idle_batch())
         return False
+
+    def kv_share(self) -> KVShare:
+        """The KV heads of an export this rank writes, and how the TP ranks agree that rank 0
+        made the segments: one all_reduce of one number (each rank's KV heads are its own
+        under EP, and all of them alone)."""
+        if self.tp_size == 1:
+            return ALONE
+        return KVShare(self.rank, self.tp_size, self._rank0_ok)
+
+    def _rank0_ok(self, ok: bool) -> bool:
+        assert self.group is not None
+        # Only rank 0's word counts: the others add 0, so the sum is 1 exactly when it failed.
+        flag = paddle.to_tensor([0.0 if ok or self.rank else 1.0], dtype="float32")
+        return float(self.group.all_reduce(flag).numpy()[0]) == 0.0
 
     def reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """Sum a row-parallel product's partial results over the TP ranks (identity alone)."""

@@ -13,7 +13,8 @@ alone (so batch- and chunk-invariant), with the shapes and types a real model gi
 As a rank of a tensor- or expert-parallel group it meets its peers at a real barrier after
 every forward (`SocketBarrier`), so a step costs what the slowest rank costs and a rank that
 skips a step blocks the others, as the collectives of a real model would. An empty batch (what
-an idle expert-parallel rank gets) sleeps the fixed cost and joins the barrier.
+an idle expert-parallel rank gets) sleeps the fixed cost and joins the barrier. Only rank 0 of
+a tensor-parallel group writes KV exports.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from aioprefill import protocol
 from aioprefill.config import SimModel
 from aioprefill.kv import SIM_KV_LAYOUT
 from aioprefill.workers.barrier import SocketBarrier
-from aioprefill.workers.kv_writer import open_writers
+from aioprefill.workers.kv_writer import KVWriters, open_writers
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 __all__ = [
@@ -134,9 +135,14 @@ class _State:
 class SimRunner:
     device = "sim"
 
-    def __init__(self, spec: SimModel, barrier: SocketBarrier | None = None) -> None:
+    def __init__(
+        self, spec: SimModel, barrier: SocketBarrier | None = None, *, writes_kv: bool = True
+    ) -> None:
         self.spec = spec
         self.barrier = barrier
+        # A tensor-parallel rank > 0 leaves KV exports to rank 0: the values are the same, and
+        # two ranks creating one segment race (one may map it before the other has sized it).
+        self.writes_kv = writes_kv
         self._partial: dict[int, _State] = {}  # request id -> state after its chunks so far
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
@@ -183,7 +189,7 @@ class SimRunner:
         top_ids, top_lps, plps, embeds = [], [], [], []
         options = batch.options
         top_k = batch.top_k_of()
-        writers = open_writers(batch, SIM_KV_LAYOUT)
+        writers = open_writers(batch, SIM_KV_LAYOUT) if self.writes_kv else KVWriters()
         offsets = batch.offsets
         try:
             for i in range(batch.size):
@@ -223,11 +229,9 @@ class SimRunner:
                     keys, values = sim_kv(np.concatenate(state.tokens))
                     writers[i].keys[...], writers[i].values[...] = keys, values
         except BaseException:
-            for w in writers.values():
-                w.discard()
+            writers.discard()
             raise
-        for w in writers.values():
-            w.close()
+        writers.close()
         return ForwardOutput(
             request_ids=np.asarray(ids, dtype=np.int64),
             tokens=np.asarray(toks, dtype=np.int32),

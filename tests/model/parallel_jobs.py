@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 
 from aioprefill.config import PaddleModel
+from aioprefill.workers.group import CollectiveError
 from aioprefill.workers.runner import ForwardBatch
 from tests.model.batches import make_batch
 
@@ -22,6 +23,7 @@ class Step(msgspec.Struct):
     last: list[bool] | None = None
     options: list[int] | None = None  # OPT_* bits per request
     top_k: list[int] | None = None
+    kv_names: list[str] = []  # one per request with OPT_RETURN_KV, batch order
 
 
 class Out(msgspec.Struct):
@@ -58,13 +60,17 @@ def forward(runner, step: Step) -> Out:
         if step.options is not None or step.top_k is not None:
             options = None if step.options is None else np.asarray(step.options, np.uint8)
             top_k = None if step.top_k is None else np.asarray(step.top_k, np.int32)
-            batch = dataclasses.replace(batch, options=options, top_k=top_k)
+            batch = dataclasses.replace(
+                batch, options=options, top_k=top_k, kv_names=tuple(step.kv_names)
+            )
     else:
         batch = EMPTY
     try:
         out = runner.forward(batch)
-    except ValueError as exc:
-        return Out([], [], [], error=str(exc))
+    except CollectiveError:
+        raise
+    except (ValueError, OSError, RuntimeError) as exc:  # refused, or a KV export not opened
+        return Out([], [], [], error=f"{type(exc).__name__}: {exc}")
     return Out(
         out.request_ids.tolist(),
         out.tokens.tolist(),

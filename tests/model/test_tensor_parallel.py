@@ -4,12 +4,16 @@ runner's tokens and log-probabilities (|d| <= 1e-5) — whole prompts and chunke
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 import numpy as np
 import pytest
 
 from aioprefill import protocol
 from aioprefill.config import PaddleModel
+from aioprefill.kv import KVLayout, kv_layout
+from aioprefill.shm.segments import SHM_DIR, attach_segment, create_segment, segment_name
 from tests.model.batches import SMALL, runner, small
 from tests.model.parallel_jobs import JOB, Job, Out, Step, decode_outs, forward
 from tests.ranks import run_ranks
@@ -83,3 +87,68 @@ def test_tp2_moe_matches_single_rank() -> None:
     ranks = [decode_outs(r) for r in run_ranks(JOB, 2, msgspec.msgpack.encode(job))]
     want = [forward(runner(spec), s) for s in steps]
     check_same(ranks[0], want)
+
+
+def kv_steps(spec: PaddleModel, names: dict[str, str]) -> list[Step]:
+    """Exports from a TP group: one rank 0 cannot create (the group must fail it together and
+    stay in step), one over a too-small segment left behind (rank 0 alone replaces it), and a
+    chunked prompt's (its past from every rank's cache)."""
+    rng = np.random.default_rng(spec.seed)
+
+    def p(n: int) -> list[int]:
+        return rng.integers(0, spec.vocab_size, n).tolist()
+
+    kv = protocol.OPT_RETURN_KV
+    long = p(70)
+    return [
+        Step([p(9), p(20)], [30, 31], options=[kv, kv], kv_names=[names["a"], names["bad"]]),
+        Step(
+            [long[:40], p(5)],
+            [32, 33],
+            last=[False, True],
+            options=[kv, kv],
+            kv_names=[names["long"], names["small"]],
+        ),
+        Step(
+            [long[40:], p(3)], [32, 34], starts=[40, 0], options=[kv, 0], kv_names=[names["long"]]
+        ),
+    ]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["1-kv-head-per-rank", "2-kv-heads-per-rank"])
+def test_tp2_kv_export_matches_single_rank(kv_heads: int) -> None:
+    spec = small(num_kv_heads=kv_heads, seed=20 + kv_heads)
+    tag = f"kv.tp-test.{kv_heads}"
+    names = {k: segment_name(tag) for k in ("a", "long", "small")}
+    names["bad"] = "x" * 300  # shm_open refuses the name: rank 0 cannot create it
+    ref = {k: v if k == "bad" else v + "-ref" for k, v in names.items()}
+    layout = kv_layout(spec)
+    try:
+        # A worker that died part-way left "small" behind, too small for this prompt.
+        create_segment(names["small"], 4096, track=False).close()
+        job = Job(spec=spec, mode="tp", steps=[kv_steps(spec, names)] * 2)
+        ranks = [decode_outs(r) for r in run_ranks(JOB, 2, msgspec.msgpack.encode(job))]
+        single = runner(spec)
+        want = [forward(single, s) for s in kv_steps(spec, ref)]
+        for rank, got in enumerate(ranks):
+            check_same(got, want)
+            assert got[0].error and want[0].error, f"rank {rank}"  # every rank failed step 0
+        assert not (SHM_DIR / names["a"]).exists()  # rank 0 removed what it had opened
+        for key, n in (("small", 5), ("long", 70)):
+            got, want = read_kv(names[key], layout, n), read_kv(ref[key], layout, n)
+            for a, b in zip(got, want, strict=True):
+                diff = np.abs(a - b).max(axis=(2, 3))  # per [layer, KV head]
+                assert diff.max() <= TOL, f"{key}: {diff}"
+    finally:
+        for name in [*names.values(), *ref.values()]:
+            if name != names["bad"]:
+                with contextlib.suppress(FileNotFoundError):
+                    (SHM_DIR / name).unlink()
+
+
+def read_kv(name: str, layout: KVLayout, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Copies of an export's (keys, values)."""
+    mm = attach_segment(name)
+    keys, values = (a.copy() for a in layout.views(mm, num_tokens))
+    mm.close()
+    return keys, values
