@@ -88,7 +88,13 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
         )
 
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 

@@ -1,6 +1,7 @@
 """PaddleModel through the whole engine with rank groups: a tensor-parallel group of 2 and an
 expert-parallel MoE over 2 ranks answer like one unsharded worker (tokens equal, |dlogprob|
-<= 1e-5), including a chunked prompt."""
+<= 1e-5), including a chunked prompt; a Mixtral checkpoint, expert-parallel, answers like
+Hugging Face (its golden); and KV exports from rank groups equal a lone worker's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from aioprefill import Engine, EngineConfig, PaddleModel
+from tests.hf.goldens import DATA, expected
 from tests.model.batches import SMALL
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
@@ -46,6 +48,21 @@ async def test_ep2_moe_answers_like_the_unsharded_moe():
     batch = prompts(random.randrange(1 << 20))
     got = await answers(model, batch, num_workers=2, expert_parallel=True)
     same(got, await answers(model, batch))
+
+
+async def test_ep2_mixtral_checkpoint_answers_like_hugging_face():
+    """Each rank loads half of the checkpoint's experts (the shards split a layer's experts
+    across files); the golden's prompts, chunked at 64 tokens, get HF's tokens and logprobs."""
+    exp = expected("mixtral_moe")
+    model = PaddleModel.from_pretrained(DATA / "mixtral_moe", device="cpu")
+    config = EngineConfig(model=model, max_batch_tokens=64, num_workers=2, expert_parallel=True)
+    async with Engine(config) as engine:
+        results = await asyncio.gather(*(engine.prefill(p) for p in exp["prompts"]))
+    assert any(r.num_chunks > 1 for r in results)
+    assert {r.worker for r in results} == {0, 1}  # both ranks computed some prompts
+    assert [r.token for r in results] == exp["tokens"]
+    worst = max(abs(r.logprob - lp) for r, lp in zip(results, exp["logprobs"], strict=True))
+    assert worst <= 1e-4, f"|dlogprob| {worst:.2e}"
 
 
 # ---------------------------------------------------------------- KV export from rank groups

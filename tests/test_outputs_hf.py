@@ -1,5 +1,6 @@
 """Top-k and prompt log-probabilities against Hugging Face, on every golden checkpoint of
-tests/data/hf (Llama variants, Mistral, Qwen2, Qwen3), through the engine, chunked and batched.
+tests/data/hf (Llama variants, Mistral, Qwen2, Qwen3, Mixtral), through the engine, chunked and
+batched.
 
 The goldens hold HF's greedy token t and its log-probability after each prompt p. So top-k's
 first entry must be (t, that logprob), and the prompt log-probabilities of p + [t] must end with

@@ -40,6 +40,8 @@ _FUNCTION_FIELDS = frozenset(
         "qk_norm",
         "sliding_window",
         "tie_word_embeddings",
+        "num_experts",
+        "num_experts_per_tok",
         "weights",
         "seed",
     }

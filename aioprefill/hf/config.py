@@ -25,6 +25,17 @@ _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "Qwen2ForCausalLM": ("qwen2", {"max_position_embeddings": 32768}),
     "Qwen3ForCausalLM": ("qwen3", {"max_position_embeddings": 32768}),
+    "MixtralForCausalLM": (
+        "mixtral",
+        {
+            "max_position_embeddings": 4096 * 32,
+            "sliding_window": None,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1e6,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+    ),
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
@@ -75,6 +86,9 @@ _INERT = frozenset(
         "use_return_dict",
     ]
 )
+# Mixtral keys that only training reads: the router's jitter noise (applied in training mode
+# alone), the load-balancing loss's weight, and whether the router logits are returned for it.
+_MOE_TRAINING = frozenset(["router_jitter_noise", "router_aux_loss_coef", "output_router_logits"])
 # Keys that must hold exactly this value (anything else changes the forward).
 _FIXED = {"hidden_act": "silu", "mlp_bias": False, "partial_rotary_factor": 1.0}
 _ROPE_KEYS = {
@@ -131,6 +145,9 @@ def spec_fields(config: dict[str, Any]) -> dict[str, Any]:
     used |= {"rope_theta", "rope_scaling", "rope_parameters"}
     fields.update(_attention(arch, c))
     used |= {"attention_bias", "sliding_window", "use_sliding_window", "layer_types"}
+    if arch == "MixtralForCausalLM":
+        fields.update(_experts(config, c))
+        used |= {"num_local_experts", "num_experts", "num_experts_per_tok", *_MOE_TRAINING}
     for key in config:
         if key not in used and key not in _INERT:
             raise _refuse(key, f"not implemented for {arch} (it may change the forward)")
@@ -176,6 +193,26 @@ def _rope(c: dict[str, Any]) -> dict[str, Any]:
     if params:
         raise _refuse(f"{key}.{sorted(params)[0]}", f"not implemented for rope_type {rope_type!r}")
     return fields
+
+
+def _experts(config: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral's mixture of experts: `num_local_experts` (transformers also reads the alias
+    `num_experts`) experts, `num_experts_per_tok` of them per token."""
+    if "num_experts" in config:
+        if "num_local_experts" in config and config["num_local_experts"] != config["num_experts"]:
+            raise _refuse(
+                "num_experts",
+                f"{config['num_experts']!r} disagrees with num_local_experts "
+                f"{config['num_local_experts']!r}",
+            )
+        c = {**c, "num_local_experts": config["num_experts"]}
+    experts, per_token = c["num_local_experts"], c["num_experts_per_tok"]
+    for key, value in (("num_local_experts", experts), ("num_experts_per_tok", per_token)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise _refuse(key, f"must be a positive int, got {value!r}")
+    if per_token > experts:
+        raise _refuse("num_experts_per_tok", f"{per_token} exceeds num_local_experts {experts}")
+    return {"num_experts": experts, "num_experts_per_tok": per_token}
 
 
 def _attention(arch: str, c: dict[str, Any]) -> dict[str, Any]:

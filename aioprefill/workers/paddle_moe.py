@@ -1,8 +1,16 @@
 """A Mixtral-style mixture-of-experts MLP for the packed forward, alone or expert-parallel.
 
-Routing is Mixtral's: router logits `h @ gate.T`, softmax over the experts, the
+Routing is Mixtral's (transformers' `MixtralTopKRouter` / `MixtralExperts`): router logits
+`h @ gate.T` in the model's dtype, softmax over the experts in float32, the
 `num_experts_per_tok` most probable kept and renormalised to sum to 1. Each expert is a SwiGLU
-MLP `w2(silu(w1 h) * w3 h)`; a token's output is the weighted sum of its experts' outputs.
+MLP `w2(silu(w1 h) * w3 h)`; a token's output is the weighted sum of its experts' outputs,
+added expert by expert in expert order. Router jitter and the load-balancing loss are
+training-only there, so absent here. Two differences, neither of which the golden meets:
+an exact tie in probability at the k-th place goes to the lower expert id (a stable sort:
+deterministic and batch-invariant), where torch.topk leaves equal values' order to its kernel
+(on CPU, of four equal probabilities it kept experts 2 and 3); and the weights are rounded to
+the model's dtype before they scale an expert's output (transformers 4.x did the same; 5.x
+multiplies in float32 and rounds once), which matters only for bfloat16/float16 on a GPU.
 
 Expert parallelism: each EP rank holds a slice of the experts and its own batch of tokens. Per
 layer, the ranks all_gather their hidden states together with the routing each owner chose

@@ -11,7 +11,8 @@ import aioprefill
 HF_NAMES = re.compile(
     r"""["'](model\.layers|model\.embed_tokens|lm_head\.weight|[a-z_.]*_proj\.(weight|bias)"""
     r"""|rope_scaling|rope_parameters|num_hidden_layers|num_attention_heads"""
-    r"""|num_key_value_heads|quantization_config|use_sliding_window|layer_types)"""
+    r"""|num_key_value_heads|quantization_config|use_sliding_window|layer_types"""
+    r"""|num_local_experts|block_sparse_moe)"""
 )
 
 

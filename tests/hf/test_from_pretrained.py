@@ -13,6 +13,7 @@ import pytest
 from aioprefill import EngineConfig, PaddleModel
 from aioprefill.config import ARCHITECTURES
 from aioprefill.errors import InvalidConfig
+from aioprefill.hf.config import spec_fields
 from aioprefill.hf.tensors import WeightsError
 from tests.hf.goldens import DATA, copy_with_config
 
@@ -33,6 +34,54 @@ def test_config_fields_reach_the_spec() -> None:
     assert qwen2.rope_theta == 1e6
     qwen3 = PaddleModel.from_pretrained(DATA / "qwen3_qk_norm")
     assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.architecture == ARCHITECTURES[3]
+    mixtral = PaddleModel.from_pretrained(DATA / "mixtral_moe")
+    assert mixtral.architecture == "MixtralForCausalLM"
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok) == (4, 2)
+    assert (mixtral.rope_theta, mixtral.rms_norm_eps, mixtral.sliding_window) == (1e6, 1e-5, None)
+
+
+def test_mixtral_defaults_are_transformers_defaults() -> None:
+    """Keys a Mixtral config.json leaves out take MixtralConfig's defaults, not Llama's: 8
+    experts, 2 per token, eps 1e-5, theta 1e6, no sliding window."""
+    config = json.loads((DATA / "mixtral_moe" / "config.json").read_text())
+    for key in (
+        "num_local_experts",
+        "num_experts_per_tok",
+        "rms_norm_eps",
+        "rope_theta",
+        "sliding_window",
+        "max_position_embeddings",
+    ):
+        del config[key]
+    fields = spec_fields(config)
+    assert (fields["num_experts"], fields["num_experts_per_tok"]) == (8, 2)
+    assert (fields["rms_norm_eps"], fields["rope_theta"]) == (1e-5, 1e6)
+    assert "sliding_window" not in fields and fields["max_position_embeddings"] == 4096 * 32
+
+
+def test_mixtral_keys_that_load(tmp_path: Path) -> None:
+    """The router's training-only keys (jitter noise, aux loss, returning router logits) load
+    with any value, and transformers' alias num_experts stands for num_local_experts."""
+    golden = PaddleModel.from_pretrained(DATA / "mixtral_moe")
+    training = copy_with_config(
+        tmp_path / "a",
+        "mixtral_moe",
+        router_jitter_noise=0.5,
+        router_aux_loss_coef=1.0,
+        output_router_logits=True,
+    )
+    assert msgspec.structs.replace(PaddleModel.from_pretrained(training), weights=None) == (
+        msgspec.structs.replace(golden, weights=None)
+    )
+    alias = copy_with_config(tmp_path / "b", "mixtral_moe", num_local_experts=None, num_experts=4)
+    assert PaddleModel.from_pretrained(alias).num_experts == 4
+    both = copy_with_config(tmp_path / "c", "mixtral_moe", num_experts=4)
+    assert PaddleModel.from_pretrained(both).num_experts == 4
+    window = copy_with_config(tmp_path / "d", "mixtral_moe", sliding_window=64)
+    assert PaddleModel.from_pretrained(window).max_prompt_tokens == 64  # as Mistral's
+    # Bitwise batch invariance is not implemented for expert layers: refused, not ignored.
+    with pytest.raises(InvalidConfig, match=r"PaddleModel\.deterministic: .*mixture-of-experts"):
+        PaddleModel.from_pretrained(DATA / "mixtral_moe", deterministic=True)
 
 
 def test_overrides_show_on_the_spec_and_it_travels() -> None:
@@ -155,6 +204,18 @@ def test_sliding_window_variants_that_load(tmp_path: Path) -> None:
             r"rope_parameters\.rope_theta: must be a positive number",
         ),
         ("llama_theta_eps", {"head_dim": 15}, "head_dim: must be even"),
+        ("mixtral_moe", {"num_local_experts": 0}, "num_local_experts: must be a positive int"),
+        ("mixtral_moe", {"num_experts_per_tok": 2.0}, "num_experts_per_tok: must be a positive"),
+        ("mixtral_moe", {"num_experts_per_tok": 5}, "num_experts_per_tok: 5 exceeds .* 4"),
+        ("mixtral_moe", {"num_experts": 8}, "num_experts: 8 disagrees with num_local_experts 4"),
+        # Other MoE families' routing and expert keys: each would change the forward.
+        ("mixtral_moe", {"norm_topk_prob": False}, "norm_topk_prob: not implemented"),
+        ("mixtral_moe", {"moe_intermediate_size": 16}, "moe_intermediate_size: not implemented"),
+        ("mixtral_moe", {"shared_expert_intermediate_size": 64}, "shared_expert_inter"),
+        ("mixtral_moe", {"hidden_act": "gelu"}, "hidden_act: 'gelu' is not supported"),
+        ("mixtral_moe", {"model_type": "mistral"}, "model_type: 'mistral' does not match"),
+        ("mixtral_moe", {"sliding_window": 0}, "sliding_window: must be a positive int"),
+        ("llama_theta_eps", {"num_local_experts": 8}, "num_local_experts: not implemented"),
     ],
 )
 def test_unsupported_configs_are_refused_naming_the_key(
@@ -222,7 +283,15 @@ def test_weights_accepts_a_directory() -> None:
 
 
 @pytest.mark.parametrize(
-    "field, value", [("rope_theta", 1e4), ("num_layers", 1), ("weights", "/x"), ("qk_norm", True)]
+    "field, value",
+    [
+        ("rope_theta", 1e4),
+        ("num_layers", 1),
+        ("weights", "/x"),
+        ("qk_norm", True),
+        ("num_experts", 4),
+        ("num_experts_per_tok", 1),
+    ],
 )
 def test_overriding_what_the_checkpoint_decides_is_refused(field: str, value: object) -> None:
     with pytest.raises(InvalidConfig, match=f"{field} comes from the checkpoint"):
@@ -244,3 +313,12 @@ def test_a_hand_written_spec_must_agree_with_config_json() -> None:
     assert EngineConfig(model=PaddleModel(**{**mistral, "sliding_window": 64}))  # narrower: fine
     with pytest.raises(InvalidConfig, match=r"PaddleModel\.sliding_window is None but"):
         EngineConfig(model=PaddleModel(**{**mistral, "sliding_window": None}))
+    mixtral = msgspec.structs.asdict(PaddleModel.from_pretrained(DATA / "mixtral_moe"))
+    with pytest.raises(InvalidConfig, match=r"PaddleModel\.num_experts_per_tok is 1 but"):
+        EngineConfig(model=PaddleModel(**{**mixtral, "num_experts_per_tok": 1}))
+
+
+def test_mixtral_checkpoint_must_hold_every_expert(tmp_path: Path) -> None:
+    more = copy_with_config(tmp_path, "mixtral_moe", num_local_experts=8)
+    with pytest.raises(WeightsError, match=r"missing tensor 'model\.layers\.0\.block_sparse_moe\."):
+        PaddleModel.from_pretrained(more)

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints through the real engine: every golden checkpoint (Llama with llama3 /
 linear RoPE, theta and eps, explicit head_dim, tied with a stored lm_head, bf16, sharded; Mistral
-with a sliding window; Qwen2 with q/k/v bias; Qwen3 with q/k norms) gives HF's greedy token on
-every prompt and its log-probability within 1e-4, batched (and chunked) and solo."""
+with a sliding window; Qwen2 with q/k/v bias; Qwen3 with q/k norms; Mixtral's mixture of experts,
+sharded) gives HF's greedy token on every prompt and its log-probability within 1e-4, batched
+(and chunked) and solo."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_every_setting_has_a_golden() -> None:
         "llama_linear_sharded",
         "llama_theta_eps",
         "mistral_window",
+        "mixtral_moe",
         "qwen2_bias",
         "qwen3_qk_norm",
     }
@@ -68,6 +70,9 @@ def _runner_logprobs(spec: PaddleModel, prompts: list[list[int]]) -> np.ndarray:
         ("llama_theta_eps", {"rope_theta": 10000.0}),
         ("llama_theta_eps", {"rms_norm_eps": 1e-6}),
         ("llama_linear_sharded", {"rope_type": "default"}),
+        ("mixtral_moe", {"num_experts_per_tok": 1}),
+        ("mixtral_moe", {"rms_norm_eps": 1e-6}),
+        ("mixtral_moe", {"rope_theta": 10000.0}),
     ],
 )
 def test_goldens_notice_a_wrong_setting(name: str, wrong: dict) -> None:

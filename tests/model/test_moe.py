@@ -76,3 +76,21 @@ def test_ep2_matches_unsharded_moe() -> None:
             diff = np.abs(np.subtract(g.logprobs, want.logprobs)).max(initial=0.0)
             assert diff <= TOL, f"rank {rank} step {i}: |dlogprob| = {diff:.2e}"
     assert "out of range" in got[0][4].error
+
+
+def test_router_ties_go_to_the_lower_expert_id() -> None:
+    """An exact tie at the k-th place is broken by expert id (torch.topk leaves it to its
+    kernel), the same for every row, and the kept weights are renormalised."""
+    import paddle
+
+    from aioprefill.workers.paddle_moe import MoE
+
+    hidden = MOE.hidden_size
+    router = np.ones((4, hidden), dtype=np.float32)
+    router[2] *= 2.0  # expert 2 first; experts 0, 1 and 3 tie for second place
+    moe = MoE({"router": router}, MOE, paddle.to_tensor)
+    h = paddle.to_tensor(np.full((5, hidden), 0.01, dtype=np.float32))
+    chosen, weights = moe.route(h)
+    assert chosen.tolist() == [[2, 0]] * 5
+    np.testing.assert_allclose(weights.sum(axis=-1), 1.0, rtol=1e-6)
+    assert (weights[:, 0] > weights[:, 1]).all()
