@@ -28,7 +28,7 @@ from aioprefill.config import EngineConfig
 from aioprefill.controls import SERVING, EngineControls, State
 from aioprefill.errors import AioprefillError, EngineClosed, EngineOverloaded, WorkerStartFailed
 from aioprefill.kv import KVExports
-from aioprefill.outcomes import Outcomes
+from aioprefill.outcomes import Outcomes, tagged
 from aioprefill.outputs import parse_outputs
 from aioprefill.policies import policy_class
 from aioprefill.protocol import BatchFailed, BatchResult
@@ -157,32 +157,37 @@ class Engine(EngineControls):
         """
         submitted_ns = time.monotonic_ns()  # TTFT counts any wait for room below
         self._affinity.check("prefill()")
-        self._check_open()
-        vocab_size = self.config.model.vocab_size
-        prompt = validate_prompt(tokens, vocab_size, self.config.max_prompt_tokens or 0)
-        outputs = parse_outputs(
-            prompt_logprobs=prompt_logprobs,
-            top_k=top_k,
-            embed=embed,
-            normalize=normalize,
-            return_kv=return_kv,
-            vocab_size=vocab_size,
-        )
         validate_controls(deadline_s, request_id)
-        sched = self._sched
-        if sched.num_pending >= self.config.max_pending:
-            if not wait:
-                self._stats.rejected += 1
-                raise EngineOverloaded(
-                    f"{sched.num_pending} requests already pending (max_pending="
-                    f"{self.config.max_pending}); retry later or pass wait=True"
-                )
-            await self._wait_for_room()
-        assert self._loop is not None
-        future: asyncio.Future[PrefillResult] = self._loop.create_future()
-        if outputs is not None and return_kv:  # KVBudgetExceeded: nothing queued
-            outputs.kv = self._kv.reserve(len(prompt) >> 2)
-            future.add_done_callback(functools.partial(self._kv.settle, outputs.kv))
+        try:  # a caller's request_id names the request in these errors too
+            self._check_open()
+            vocab_size = self.config.model.vocab_size
+            prompt = validate_prompt(tokens, vocab_size, self.config.max_prompt_tokens or 0)
+            outputs = parse_outputs(
+                prompt_logprobs=prompt_logprobs,
+                top_k=top_k,
+                embed=embed,
+                normalize=normalize,
+                return_kv=return_kv,
+                vocab_size=vocab_size,
+            )
+            sched = self._sched
+            if sched.num_pending >= self.config.max_pending:
+                if not wait:
+                    self._stats.rejected += 1
+                    raise EngineOverloaded(
+                        f"{sched.num_pending} requests already pending (max_pending="
+                        f"{self.config.max_pending}); retry later or pass wait=True"
+                    )
+                await self._wait_for_room()
+            assert self._loop is not None
+            future: asyncio.Future[PrefillResult] = self._loop.create_future()
+            if outputs is not None and return_kv:  # KVBudgetExceeded: nothing queued
+                outputs.kv = self._kv.reserve(len(prompt) >> 2)
+                future.add_done_callback(functools.partial(self._kv.settle, outputs.kv))
+        except AioprefillError as exc:
+            if request_id is None:
+                raise
+            raise tagged(exc, request_id) from None
         req = sched.submit(prompt, submitted_ns, future, outputs, request_id)
         self._stats.submitted += 1
         if deadline_s is not None:  # armed before dispatch: deadline 0 still lets an idle worker

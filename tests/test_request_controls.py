@@ -13,6 +13,7 @@ from aioprefill import (
     Engine,
     EngineClosed,
     EngineConfig,
+    EngineOverloaded,
     ForwardFailed,
     InvalidRequest,
     SimModel,
@@ -61,6 +62,30 @@ async def test_request_id_appears_in_errors_and_logs(caplog):
             await engine.prefill([5], request_id=4.5)
         assert (await engine.prefill([5], request_id="req-44")).token == expected_token([5])
     assert "req-42" in caplog.text
+
+
+async def test_request_id_names_errors_raised_before_admission():
+    """Refusals before anything is queued name the caller's request too (type kept)."""
+    async with Engine(EngineConfig(model=sim(1000.0), max_pending=1)) as engine:
+        with pytest.raises(InvalidRequest, match=r"^request 'bad-1': .*32000") as info:
+            await engine.prefill([5, 32000], request_id="bad-1")
+        assert info.value.request_id == "bad-1"
+        with pytest.raises(InvalidRequest, match=r"^request 7: top_k"):
+            await engine.prefill([5], top_k=-1, request_id=7)
+        with pytest.raises(InvalidRequest, match=r"^prompt") as plain:  # no id: as before
+            await engine.prefill([])
+        assert not hasattr(plain.value, "request_id")
+        busy = asyncio.ensure_future(engine.prefill([1]))  # holds the worker
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(engine.prefill([2]))  # the one pending slot
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineOverloaded, match=r"^request 'over-1': 1 requests already"):
+            await engine.prefill([3], request_id="over-1")
+        assert engine.stats().submitted == 2
+        queued.cancel()
+        busy.cancel()
+    with pytest.raises(EngineClosed, match=r"^request 'late': engine is closed"):
+        await engine.prefill([4], request_id="late")
 
 
 async def test_drain_stops_admitting_and_finishes_what_was_accepted():
