@@ -12,7 +12,7 @@ import pytest
 from aioprefill import Engine, EngineConfig
 from aioprefill.workers.weights import random_weights
 from tests.model.batches import SMALL
-from tests.model.outputs_reference import as64, decode_logits, full
+from tests.model.reference import as64, decode_logits, full
 
 pytestmark = pytest.mark.asyncio
 

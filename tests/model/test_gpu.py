@@ -18,8 +18,8 @@ pytestmark = [
 from aioprefill.workers.paddle_runner import PaddleRunner  # noqa: E402
 from aioprefill.workers.weights import random_weights  # noqa: E402
 from tests.model.batches import SMALL, make_batch, prompts, small  # noqa: E402
+from tests.model.reference import greedy  # noqa: E402
 from tests.model.test_batch_invariance import compare_compositions  # noqa: E402
-from tests.model.test_paddle_reference import reference  # noqa: E402
 
 
 def test_auto_device_picks_the_gpu_per_worker() -> None:
@@ -35,7 +35,7 @@ def test_gpu_matches_reference() -> None:
     out = PaddleRunner(spec).forward(make_batch(ps))
     weights = random_weights(spec, spec.seed)
     for i, p in enumerate(ps):
-        token, logprob = reference(spec, weights, p)
+        token, logprob = greedy(spec, weights, p)
         assert int(out.tokens[i]) == token
         assert abs(float(out.logprobs[i]) - logprob) < 1e-4
 

@@ -10,8 +10,8 @@ import pytest
 
 from aioprefill.workers.weights import expected_shapes, random_weights
 from tests.model.batches import make_batch, prompts, runner, small
-from tests.model.moe_reference import reference_moe
 from tests.model.parallel_jobs import JOB, Job, Out, Step, decode_outs, forward
+from tests.model.reference import greedy, moe_mlp
 from tests.ranks import run_ranks
 
 MOE = small(num_experts=4, num_experts_per_tok=2, seed=11)
@@ -35,7 +35,7 @@ def test_moe_runner_matches_numpy_reference(top_k: int) -> None:
     out = runner(spec).forward(make_batch(ps))
     weights = random_weights(spec, spec.seed)
     for i, p in enumerate(ps):
-        token, logprob = reference_moe(spec, weights, p)
+        token, logprob = greedy(spec, weights, p, mlp=moe_mlp)
         assert int(out.tokens[i]) == token, f"prompt {i}"
         assert abs(float(out.logprobs[i]) - logprob) < 1e-4, f"prompt {i}"
 

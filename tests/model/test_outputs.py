@@ -15,7 +15,7 @@ from aioprefill.workers.paddle_runner import PaddleRunner
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 from aioprefill.workers.weights import random_weights
 from tests.model.batches import SMALL, prompts, runner
-from tests.model.outputs_reference import as64, decode_logits, full
+from tests.model.reference import as64, decode_logits, full
 
 PLP, LAST, MEAN, NORM, KV = (
     protocol.OPT_PROMPT_LOGPROBS,

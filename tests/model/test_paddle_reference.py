@@ -1,7 +1,11 @@
-"""PaddleRunner against an independent float64 NumPy forward of the same Llama, written here from
-the math (it shares nothing with the runner but the weights)."""
+"""PaddleRunner against the independent float64 NumPy forward of the same Llama
+(`tests/model/reference.py`: it shares nothing with the runner but the weights)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,53 +15,7 @@ from aioprefill.workers import paddle_attention
 from aioprefill.workers.paddle_runner import PaddleRunner
 from aioprefill.workers.weights import random_weights
 from tests.model.batches import SMALL, make_batch, prompts, runner, small
-
-
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def rotate_half(x: np.ndarray) -> np.ndarray:
-    half = x.shape[-1] // 2
-    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
-def reference(spec: PaddleModel, w: dict[str, np.ndarray], tokens: np.ndarray) -> tuple[int, float]:
-    """Greedy next token and its log-probability after `tokens`, in float64."""
-    w = {k: v.astype(np.float64) for k, v in w.items()}
-    n, heads, kv, d = len(tokens), spec.num_heads, spec.num_kv_heads, spec.head_dim
-    x = w["model.embed_tokens.weight"][tokens]
-    inv_freq = 1.0 / spec.rope_theta ** (np.arange(0, d, 2) / d)
-    angles = np.outer(np.arange(n), inv_freq)
-    cos = np.cos(np.concatenate([angles, angles], axis=-1))[:, None, :]
-    sin = np.sin(np.concatenate([angles, angles], axis=-1))[:, None, :]
-    future = np.triu(np.ones((n, n), dtype=bool), k=1)
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        h = rms_norm(x, w[p + "input_layernorm.weight"], spec.rms_norm_eps)
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(n, heads, d)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(n, kv, d)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(n, kv, d)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k = np.repeat(k, heads // kv, axis=1)  # HF repeat_kv: query head j reads KV head j // group
-        v = np.repeat(v, heads // kv, axis=1)
-        scores = np.einsum("ihd,jhd->hij", q, k) / np.sqrt(d)
-        scores[:, future] = -np.inf
-        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
-        attn = np.einsum("hij,jhd->ihd", probs, v).reshape(n, heads * d)
-        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
-        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], spec.rms_norm_eps)
-        gate = h @ w[p + "mlp.gate_proj.weight"].T
-        up = h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
-    h = rms_norm(x[-1], w["model.norm.weight"], spec.rms_norm_eps)
-    head = w["model.embed_tokens.weight"] if spec.tie_word_embeddings else w["lm_head.weight"]
-    logits = head @ h
-    top = int(np.argmax(logits))
-    m = logits.max()
-    return top, float(logits[top] - m - np.log(np.exp(logits - m).sum()))
+from tests.model.reference import greedy
 
 
 def check_against_reference(spec: PaddleModel, lengths: list[int], seed: int = 0) -> None:
@@ -67,7 +25,7 @@ def check_against_reference(spec: PaddleModel, lengths: list[int], seed: int = 0
     weights = random_weights(spec, spec.seed)
     assert out.request_ids.tolist() == list(range(len(ps)))
     for i, p in enumerate(ps):
-        token, logprob = reference(spec, weights, p)
+        token, logprob = greedy(spec, weights, p)
         assert int(out.tokens[i]) == token, f"prompt {i} (length {len(p)})"
         assert abs(float(out.logprobs[i]) - logprob) < 1e-4, f"prompt {i} (length {len(p)})"
 
@@ -95,6 +53,19 @@ def test_long_prompt_in_query_blocks_matches_reference(monkeypatch) -> None:
     monkeypatch.setattr(paddle_attention, "_QUERY_BLOCK", 7)
     spec = small(seed=7)
     check_against_reference(spec, [300, 5], seed=2)
+
+
+def test_reference_imports_nothing_from_aioprefill() -> None:
+    """The reference stays independent: importing it loads no aioprefill module at all."""
+    code = (
+        "import sys, tests.model.reference\n"
+        "print([m for m in sys.modules if m.split('.')[0] == 'aioprefill'])"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "[]"
 
 
 def test_result_fields_and_dtypes() -> None:
