@@ -4,7 +4,9 @@ Requests sit back to back in one `[tokens, hidden]` matrix, with no padding betw
 linear layers, norms and MLP run over every token of the batch at once, and only attention runs
 per sequence (a block-diagonal mask over the whole batch costs O(tokens^2) on CPU). A chunk with
 `start_pos > 0` continues a prompt whose earlier chunks this runner saw: their keys and values
-(after RoPE) wait in `self._cache` until the chunk with `is_last` (or `free()`).
+(after RoPE) wait in `self._cache` until the chunk with `is_last` (or `free()`). The weights
+come from `paddle_weights`, laid out for this forward (q/k/v heads-major in one tensor, queries
+pre-scaled, a sign-folded RoPE sin): that module's docstring is the contract.
 
 Batch invariance. A request's result must not depend on its batch-mates. Attention is per
 sequence and norms and element-wise ops are per row, so batching leaks in through the matrix
@@ -29,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from typing import Literal
 
 from aioprefill.workers.paddle_env import configure_math_libraries, keep_freed_memory
 
@@ -45,22 +46,17 @@ import paddle.nn.functional as F  # noqa: E402
 
 from aioprefill.config import PaddleModel  # noqa: E402
 from aioprefill.errors import InvalidConfig  # noqa: E402
-from aioprefill.hf.tensors import layer_parts  # noqa: E402
 from aioprefill.kv import kv_layout  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
-from aioprefill.workers.paddle_moe import MoE  # noqa: E402
 from aioprefill.workers.paddle_norm import rms_norm_for  # noqa: E402
 from aioprefill.workers.paddle_shard import Shard  # noqa: E402
-from aioprefill.workers.rope import rope_inv_freq  # noqa: E402
+from aioprefill.workers.paddle_weights import Layer, load_to_device, rope_tables  # noqa: E402
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402
-from aioprefill.workers.weights import iter_weights  # noqa: E402
 
 __all__ = ["PaddleRunner"]
-
-_DType = Literal["float32", "float16", "bfloat16"]
 
 # deterministic=True: every linear layer multiplies exactly this many rows at a time, and the
 # LM head this many (it is wide: 32000 columns; padding it to 64 rows would cost ~13 ms on CPU).
@@ -75,64 +71,6 @@ def _pick_device(spec: PaddleModel, worker_index: int) -> str:
     if spec.device == "cpu" or not has_cuda:
         return "cpu"
     return f"gpu:{worker_index % paddle.device.cuda.device_count()}"
-
-
-def _heads_major(w: np.ndarray, dim: int) -> np.ndarray:
-    """HF [heads * dim, hidden] -> [heads, hidden, dim]: a batched matmul of [1, rows, hidden]
-    with it writes q/k/v straight into the [heads, rows, dim] layout attention wants."""
-    return w.reshape(-1, dim, w.shape[1]).transpose(0, 2, 1)
-
-
-class _Layer:
-    """One decoder layer's weights on the device, laid out for the packed forward.
-
-    `w` maps the layer's parts (`aioprefill.hf.tensors.layer_parts`) to float32 arrays.
-    """
-
-    __slots__ = (
-        "down",
-        "gate_up",
-        "in_norm",
-        "k_norm",
-        "moe",
-        "o",
-        "post_norm",
-        "q_norm",
-        "qkv",
-        "qkv_bias",
-    )
-
-    def __init__(self, w: dict[str, np.ndarray], spec: PaddleModel) -> None:
-        def t(a: np.ndarray) -> paddle.Tensor:
-            return paddle.to_tensor(np.ascontiguousarray(a), dtype=spec.dtype)
-
-        dim = spec.head_dim
-        # Queries are scaled by head_dim^-0.5 for the scores. Without q/k norms the scale is
-        # folded into q_proj (and its bias; RoPE is linear), which saves an op per score matrix;
-        # with them it goes into q_norm's weight, since a norm after q_proj would undo it.
-        scale = 1.0 if spec.qk_norm else dim**-0.5
-        qk = np.concatenate([_heads_major(w["q"] * scale, dim), _heads_major(w["k"], dim)])
-        # One product gives [q k | v], each part a contiguous leading slice (no copies).
-        self.qkv = t(np.concatenate([qk, _heads_major(w["v"], dim)]))
-        self.qkv_bias: paddle.Tensor | None = None
-        if spec.attention_bias:
-            # [heads + 2 * kv_heads, 1, dim]: spread over the rows of the qkv product.
-            bias = np.concatenate([w["q_bias"] * scale, w["k_bias"], w["v_bias"]])
-            self.qkv_bias = t(bias.reshape(-1, 1, dim))
-        self.q_norm: paddle.Tensor | None = None
-        self.k_norm: paddle.Tensor | None = None
-        if spec.qk_norm:
-            self.q_norm = t(w["q_norm"] * dim**-0.5)
-            self.k_norm = t(w["k_norm"])
-        # The rest keep HF's [out, in] layout, multiplied with transpose_y (as fast on MKL).
-        self.o = t(w["o"])
-        # parallel: a mixture of experts replaces the dense MLP (paddle_moe)
-        self.moe = MoE(w, spec, t) if spec.num_experts else None
-        if self.moe is None:
-            self.gate_up = t(np.concatenate([w["gate"], w["up"]]))
-            self.down = t(w["down"])
-        self.in_norm = t(w["in_norm"])
-        self.post_norm = t(w["post_norm"])
 
 
 class PaddleRunner:
@@ -173,14 +111,15 @@ class PaddleRunner:
             with contextlib.suppress(ValueError):
                 paddle.set_flags({"FLAGS_allow_tf32_cublas": False})
         with paddle.no_grad():
-            self._load(spec)
-            self._cos, self._sin = self._rope_tables(spec.max_position_embeddings)
+            weights = load_to_device(spec, self._shard)  # parallel: only this rank's slices
+            self._cos, self._sin = rope_tables(spec, spec.max_position_embeddings)
+        self._embed, self._layers = weights.embed, weights.layers
         self._cache: dict[int, KVCache] = {}
         self._deterministic = spec.deterministic
         tile = _HEAD_TILE_ROWS if spec.deterministic else None
         self._outputs = OutputHead(
-            self._lm_head,
-            self._norm,
+            weights.lm_head,
+            weights.norm,
             spec.rms_norm_eps,
             rms_norm=self._rms_norm,
             tile_rows=tile,
@@ -222,49 +161,11 @@ class PaddleRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _mlp(self, h: paddle.Tensor, layer: _Layer) -> paddle.Tensor:
+    def _mlp(self, h: paddle.Tensor, layer: Layer) -> paddle.Tensor:
         """The dense SwiGLU MLP, or the layer's mixture of experts (partial sums under TP)."""
         if layer.moe is not None:
             return layer.moe.forward(h, self._shard.group if self._shard.ep_size > 1 else None)
         return self._linear(F.swiglu(self._linear(h, layer.gate_up)), layer.down)
-
-    def _load(self, spec: PaddleModel) -> None:
-        """Move the weights onto the device as they stream in: a layer is built as soon as its
-        last tensor arrives and its host arrays dropped, so loading holds about one layer on the
-        host beyond the device copy, whatever the checkpoint's file layout."""
-        shard = self._shard  # parallel: only this rank's slices
-        parts = tuple(p for p in layer_parts(spec) if shard.wants(p))
-        pending: dict[int, dict[str, np.ndarray]] = {}
-        layers: list[_Layer | None] = [None] * spec.num_layers
-        top: dict[str, paddle.Tensor] = {}
-        for layer, part, array in iter_weights(spec):
-            if not shard.wants(part):
-                continue
-            array = shard.take(part, array)
-            if layer is None:
-                top[part] = paddle.to_tensor(array, dtype=spec.dtype)
-                continue
-            have = pending.setdefault(layer, {})
-            have[part] = array
-            if len(have) == len(parts):
-                layers[layer] = _Layer(pending.pop(layer), spec)
-        self._embed = top["embed"]
-        self._lm_head = top["lm_head"] if "lm_head" in top else shard.vocab_rows(self._embed)
-        self._norm = top["norm"]
-        self._layers = [layer for layer in layers if layer is not None]
-        if pending or len(self._layers) != spec.num_layers:
-            raise InvalidConfig(f"PaddleModel.weights: incomplete layers {sorted(pending)}")
-
-    def _rope_tables(self, positions: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """cos and sign-folded sin, [positions, head_dim], in the model's dtype (as HF casts them),
-        for HF's rotate_half convention: x*cos + rotate_half(x)*sin = x*cos + roll(x)*[-sin, sin],
-        where roll swaps the two halves of the last axis."""
-        inv_freq = rope_inv_freq(self.spec)
-        angles = np.outer(np.arange(positions, dtype=np.float64), inv_freq)
-        cos = np.cos(np.concatenate([angles, angles], axis=1))
-        sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=1)
-        dtype = self.spec.dtype
-        return paddle.to_tensor(cos, dtype=dtype), paddle.to_tensor(sin, dtype=dtype)
 
     def _check(self, batch: ForwardBatch) -> None:
         if batch.size == 0:

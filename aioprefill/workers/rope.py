@@ -1,7 +1,8 @@
 """RoPE inverse frequencies for a `PaddleModel`: plain, linearly scaled, or Llama 3's scaling.
 
-NumPy only, in float64 (the runner builds its cos/sin tables from these and casts them to the
-model's dtype). The formulas follow `transformers`' `modeling_rope_utils` for the same settings.
+NumPy only, in float64 (`paddle_weights.rope_tables` builds the cos/sin tables from these and
+casts them to the model's dtype). The formulas follow `transformers`' `modeling_rope_utils` for
+the same settings.
 """
 
 from __future__ import annotations

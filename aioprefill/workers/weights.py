@@ -1,8 +1,9 @@
 """Model weights as NumPy arrays: seeded random weights, and checkpoints (a safetensors file, or
 a Hugging Face directory, single-file or sharded) checked against the spec and streamed.
 
-Tensor names are Hugging Face's (`aioprefill.hf.tensors` owns them); the runner receives each
-tensor as `(layer, part, float32 array)` from `iter_weights` and never sees a name.
+Tensor names are Hugging Face's (`aioprefill.hf.tensors` owns them); the runner's loader
+(`paddle_weights`) receives each tensor as `(layer, part, float32 array)` from `iter_weights` and
+never sees a name.
 `PaddleModel(seed=s)` means `random_weights(spec, s)`, which tests can call too, so a reference
 forward shares the weights exactly.
 
