@@ -13,6 +13,19 @@ def test_arrivals_below_a_full_batch_arm_the_timer_for_the_oldest():
     assert h.timer.due_ns == 100 + 10 * MS  # not re-armed by later arrivals
 
 
+def test_a_timer_armed_for_requests_sealed_full_waits_for_the_next_ones_own_timeout():
+    # Requests 1-2 leave in a full batch; the timer armed for request 1 must not seal request
+    # 3's batch at request 1's deadline (it did: a partial batch sealed early).
+    h = Harness("timeout", max_batch_size=2, batch_timeout_ms=10.0)
+    first = [h.arrive(3, at_ns=100), h.arrive(3, at_ns=200)]
+    assert h.sent_ids() == [[r.request_id for r in first]]
+    late = h.arrive(3, at_ns=5 * MS)
+    h.fire_timer()  # request 1's deadline, 100 ns + 10 ms
+    assert len(h.sent_ids()) == 1 and h.timer.due_ns == 5 * MS + 10 * MS
+    h.fire_timer()
+    assert h.sent_ids()[1] == [late.request_id]
+
+
 def test_the_timer_seals_everything_pending():
     h = Harness("timeout")
     reqs = [h.arrive(3) for _ in range(3)]
