@@ -67,12 +67,23 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
     # step's barrier (a straggler's late answer, for the tensor-parallel race tests).
     slow_rank: int = -1
     slow_rank_ms: float = 0.0
+    # ... and with `fail_rank` >= 0 only that rank raises on `fail_token`, before the step's
+    # barrier: an out-of-step failure whose peers wait at the barrier for it (default: every
+    # rank raises after the barrier, in step).
+    fail_rank: int = -1
 
     def __post_init__(self) -> None:
         for name in ("fixed_ms", "per_token_us", "attn_ns", "slow_rank_ms"):
             _finite_nonneg(getattr(self, name), f"SimModel.{name}")
         _positive_int(self.vocab_size, "SimModel.vocab_size")
         _positive_int(self.max_position_embeddings, "SimModel.max_position_embeddings")
+        _require(
+            isinstance(self.fail_rank, int)
+            and not isinstance(self.fail_rank, bool)
+            and self.fail_rank >= -1,
+            "SimModel.fail_rank",
+            f"must be an int >= -1, got {self.fail_rank!r}",
+        )
 
     @property
     def max_prompt_tokens(self) -> int:

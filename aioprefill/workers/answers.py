@@ -7,15 +7,37 @@ the other tensor-parallel ranks with an acknowledgement carrying the batch id (`
 rank r's next answer must name batch `in_flight[acked[r]]`; anything else is refused. A batch
 is done when every rank answered it: no word is shared or written by several ranks, so a fast
 rank can never stand in for a slow one.
+
+A rank that fails a batch its peers are still running may leave them waiting in a collective
+it will never join (an out-of-step failure: an error on one rank only). `PeerWatch` gives
+them a grace period to answer, then stops the group as after a death.
 """
 
 from __future__ import annotations
+
+import asyncio
+import logging
 
 from aioprefill.errors import ProtocolError
 from aioprefill.protocol import BatchDone, BatchFailed, BatchResult
 from aioprefill.workers.slot import InFlightBatch, WorkerSlot
 
-__all__ = ["forward_done", "pop_done", "record_answer"]
+__all__ = [
+    "PEER_GRACE_S",
+    "PeerWatch",
+    "forward_done",
+    "pop_done",
+    "record_answer",
+    "unanswered_peers",
+]
+
+log = logging.getLogger("aioprefill")
+
+# After one rank of a group fails a batch, its peers get this long plus twice that rank's
+# forward time to answer theirs; past it they are taken to be blocked in a collective the failed
+# rank will never join, and the group is stopped as if it died (instead of waiting for gloo's
+# fixed 30 s timeout or `collective_timeout_s`).
+PEER_GRACE_S = 1.0
 
 
 def record_answer(slot: WorkerSlot, rank: int, msg: BatchResult | BatchDone | BatchFailed) -> str:
@@ -60,3 +82,67 @@ def forward_done(slot: WorkerSlot) -> bool:
         except ProtocolError:
             return False  # the reader deals with a corrupt ring
     return bool(slot.ranks)
+
+
+def unanswered_peers(
+    slot: WorkerSlot, group: list[WorkerSlot], batch_id: int
+) -> list[tuple[WorkerSlot, InFlightBatch]]:
+    """What a rank's failed answer for `batch_id` may leave waiting in a collective that rank
+    will not join: the same batch while other ranks of this tensor-parallel group have not
+    answered it, and in an expert-parallel `group` every other rank's oldest unanswered batch
+    (the same step: lockstep sends the next one only when all ranks answered)."""
+    waiting = [
+        (slot, b) for b in slot.in_flight if b.batch_id == batch_id and b.answers < len(slot.ranks)
+    ]
+    waiting += [(peer, peer.in_flight[0]) for peer in group if peer is not slot and peer.in_flight]
+    return waiting
+
+
+class PeerWatch:
+    """After a rank's failed answer: if the peers it leaves waiting (`unanswered_peers`) have
+    not answered within the grace period (a failure after the forward's last collective lets
+    them finish), stop them: killed, their group is handled as after any death (stopped,
+    restarted as a whole, its requests retried). One timer per failed batch."""
+
+    def __init__(self) -> None:
+        self._timers: dict[int, asyncio.TimerHandle] = {}  # by failed batch id
+
+    def watch(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        slot: WorkerSlot,
+        group: list[WorkerSlot],
+        failed: BatchFailed,
+    ) -> None:
+        key = failed.batch_id
+        waiting = unanswered_peers(slot, group, key)
+        if not waiting or key in self._timers:
+            return
+        grace = PEER_GRACE_S + 2 * (failed.forward_end_ns - failed.forward_start_ns) / 1e9
+        self._timers[key] = loop.call_later(grace, self._expire, key, slot, waiting, grace)
+
+    def _expire(
+        self,
+        key: int,
+        slot: WorkerSlot,
+        waiting: list[tuple[WorkerSlot, InFlightBatch]],
+        grace: float,
+    ) -> None:
+        del self._timers[key]
+        stuck = [p for p, b in waiting if p.ranks and any(x is b for x in p.in_flight)]
+        if not stuck:
+            return
+        log.error(
+            "worker %d: a rank failed its batch and its peers did not answer within %.1f s "
+            "(waiting in a collective it will not join); stopping the group",
+            slot.index,
+            grace,
+        )
+        for peer in stuck:
+            for handle in peer.ranks:
+                handle.kill()  # its sentinel fires next: handled as a death
+
+    def cancel(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()

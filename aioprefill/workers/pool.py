@@ -27,7 +27,7 @@ from aioprefill.parallel import ParallelLayout
 from aioprefill.protocol import BatchDone, BatchFailed, BatchResult, Spilled
 from aioprefill.recovery import RestartBackoff
 from aioprefill.stats import StatsRecorder
-from aioprefill.workers.answers import forward_done, pop_done, record_answer
+from aioprefill.workers.answers import PeerWatch, forward_done, pop_done, record_answer
 from aioprefill.workers.launch import launch_group
 from aioprefill.workers.restarts import Restarts
 from aioprefill.workers.slot import InFlightBatch, PoolEvents, WorkerSlot
@@ -61,6 +61,7 @@ class WorkerPool:
         self._events = events
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batch_ids = itertools.count(1)
+        self._peers = PeerWatch()  # a rank failed: are its peers stuck in a collective?
         self._buffer = bytearray(1 << 16)
 
     # ---- views ----------------------------------------------------------------------------
@@ -143,6 +144,7 @@ class WorkerPool:
         """Stop restarts, ask every group to exit, kill what is left after `timeout`."""
         self.restarts.allowed = False
         await _cancel_and_wait(list(self.restarts.tasks))
+        self._peers.cancel()
         for slot in self.slots:
             self._unwatch(slot)  # from here on an exit is the shutdown, not a death
             self._cancel_timer(slot)
@@ -264,6 +266,9 @@ class WorkerPool:
             self._stats.protocol_errors += 1
             log.warning("worker %d %s", slot.index, refused)
             return
+        if isinstance(msg, BatchFailed) and self._loop is not None:
+            # before completing: that may send the next step
+            self._peers.watch(self._loop, slot, self._set_of(slot), msg)
         while (batch := pop_done(slot)) is not None:
             self._complete(slot, batch)
 

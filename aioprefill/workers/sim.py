@@ -150,8 +150,12 @@ class SimRunner:
         self._inject_faults(batch.tokens)
         time.sleep(self.spec.forward_seconds(seq_lens.tolist()))
         if self.barrier is not None:
+            out_of_step = self.spec.fail_rank >= 0
+            if out_of_step and self.barrier.rank == self.spec.fail_rank:
+                self._inject_failure(batch.tokens)  # before the barrier: the peers wait for it
             self.barrier.wait()  # the step ends when the slowest rank's forward does
-            self._inject_failure(batch.tokens)  # after the barrier: the group stays in step
+            if not out_of_step:
+                self._inject_failure(batch.tokens)  # after the barrier: the group stays in step
             if self.barrier.rank == self.spec.slow_rank:
                 time.sleep(self.spec.slow_rank_ms * 1e-3)
         if batch.options is None and batch.top_k is None:

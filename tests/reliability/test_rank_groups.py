@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aioprefill import Engine, EngineConfig, PrefillResult, SimModel
+from aioprefill import Engine, EngineConfig, ForwardFailed, PrefillResult, SimModel, WorkerCrashed
 from aioprefill.protocol import BatchDone, encode
 from aioprefill.shm.ring import Ring
 from aioprefill.workers.sim import expected_token
@@ -105,6 +105,35 @@ async def test_tp_rank_killed_mid_forward_restarts_the_whole_group():
         assert not any(pid_alive(p) for p in old)
 
 
+async def test_tp_rank_failing_out_of_step_stops_the_group_without_waiting_for_the_barrier():
+    """Rank 1 raises before the step's barrier; rank 0 would wait there for the collective
+    timeout (60 s). The engine stops the group once rank 0 has not answered within the grace
+    period, retries the request, and the restarted group serves the others."""
+    model = SimModel(fixed_ms=50.0, per_token_us=0.0, fail_token=31999, fail_rank=1)
+    async with Engine(EngineConfig(model=model, tp_size=2, max_retries=1)) as engine:
+        old = engine.worker_pids()
+        with pytest.raises(WorkerCrashed, match="died"):
+            # two tries, each ended by the grace period (~1.1 s) plus a restart
+            await asyncio.wait_for(engine.prefill([5, 31999]), 30)
+        assert engine.stats().retried == 1
+        await until(lambda: all_ready(engine), what="the restart")
+        assert not set(engine.worker_pids()) & set(old)
+        check(await asyncio.gather(*(engine.prefill(p) for p in PROMPTS[:8])), PROMPTS[:8])
+
+
+async def test_tp_failure_in_step_fails_the_batch_and_keeps_the_group():
+    """Every rank raising at the same point (after the barrier) is a plain failed batch: no
+    grace timer fires, the group keeps its processes."""
+    model = SimModel(fixed_ms=5.0, per_token_us=0.0, fail_token=31999)
+    async with Engine(EngineConfig(model=model, tp_size=2)) as engine:
+        old = engine.worker_pids()
+        with pytest.raises(ForwardFailed, match="injected failure"):
+            await engine.prefill([5, 31999])
+        check([await engine.prefill(PROMPTS[0])], PROMPTS[:1])
+        await asyncio.sleep(1.5)  # past the grace period a stuck peer would have had
+        assert engine.worker_pids() == old and engine.stats().retried == 0
+
+
 def ep(model: SimModel | None = None, **kw) -> EngineConfig:
     return EngineConfig(model=model or sim(2.0), num_workers=2, expert_parallel=True, **kw)
 
@@ -153,3 +182,30 @@ async def test_ep_rank_killed_mid_step_does_not_hang_the_others():
         assert not set(engine.worker_pids()) & set(old)  # the group restarted as a whole
         assert not any(pid_alive(p) for p in old)
         assert engine.stats().retried == 2
+
+
+async def test_ep_rank_failing_out_of_step_stops_the_whole_group():
+    """A step split over both EP ranks where rank 1 raises before the barrier: rank 0 would
+    wait there for 60 s; the grace period stops the group instead, and every request ends."""
+    async with Engine(ep(sim(100.0, fail_token=31999, fail_rank=1), max_retries=1)) as engine:
+        old = engine.worker_pids()
+        first = asyncio.ensure_future(engine.prefill(PROMPTS[0]))  # holds step 1
+        await until(lambda: any(s.in_flight for s in engine._pool.slots), what="step 1")
+        doomed = [[i, 31999] for i in range(1, 11)]  # one step, split over both ranks
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(engine.prefill(p) for p in doomed), return_exceptions=True), 30
+        )
+        check([await first], PROMPTS[:1])
+        failed = 0
+        for p, outcome in zip(doomed, outcomes, strict=True):
+            if isinstance(outcome, PrefillResult):  # ran (again) on rank 0, which never fails
+                assert outcome.token == expected_token(p)
+            elif isinstance(outcome, ForwardFailed):  # rank 1's own batch: its error
+                assert "injected failure" in str(outcome)
+                failed += 1
+            else:  # rank 0's, lost with the stopped group, retried into rank 1 and lost again
+                assert isinstance(outcome, WorkerCrashed), outcome
+        assert failed > 0  # rank 1 had work in that step
+        assert engine.stats().retried > 0  # rank 0's batch was lost when the group stopped
+        await until(lambda: all_ready(engine), what="the restart")
+        assert not set(engine.worker_pids()) & set(old)
