@@ -32,3 +32,6 @@ def test_model_spec_validation():
         PaddleModel(num_heads=8, num_kv_heads=3)
     with pytest.raises(ValueError, match="fixed_ms"):
         SimModel(fixed_ms=-1)
+    for bad in (-2, True, 1.0):
+        with pytest.raises(InvalidConfig, match="SimModel.fail_rank"):
+            SimModel(fail_rank=bad)
