@@ -33,5 +33,5 @@ def test_model_spec_validation():
     with pytest.raises(ValueError, match="fixed_ms"):
         SimModel(fixed_ms=-1)
     for bad in (-2, True, 1.0):
-        with pytest.raises(InvalidConfig, match="SimModel.fail_rank"):
+        with pytest.raises(InvalidConfig, match=r"SimModel\.fail_rank"):
             SimModel(fail_rank=bad)
