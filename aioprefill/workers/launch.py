@@ -9,6 +9,8 @@ their collectives before they report ready, so "ready" means the whole group can
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable
 from typing import Literal
 
 from aioprefill.config import EngineConfig
@@ -31,7 +33,8 @@ async def launch_group(
     master = f"127.0.0.1:{free_port()}" if size > 1 else ""
     mode: Literal["", "tp", "ep"] = "" if size == 1 else layout.mode  # type: ignore[assignment]
     waits: list[asyncio.Future[Ready]] = []
-    try:
+
+    def start_ranks() -> None:
         for slot in slots:
             for r in range(layout.tp_size):
                 index = slot.index * layout.tp_size + r
@@ -40,18 +43,39 @@ async def launch_group(
                 handle = WorkerHandle(index, config, parallel=mode, master=master, **place)
                 slot.ranks.append(handle)
                 handle.start()
+
+    # Off the loop: pre-faulting the rings and spawning a process take ~10-30 ms per rank,
+    # and a restart must not stall the batches of the other groups for that long.
+    starting = asyncio.get_running_loop().run_in_executor(None, start_ranks)
+    try:
+        await asyncio.shield(starting)
         timeout = config.worker_start_timeout_s
         waits = [asyncio.ensure_future(h.wait_ready(timeout)) for s in slots for h in s.ranks]
         await asyncio.gather(*waits)
     except BaseException:
+        await _finish(asyncio.wait([starting]))  # the thread may still be starting ranks
         for w in waits:
             w.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
+        await _finish(asyncio.gather(*waits, return_exceptions=True))
+        started = [h for s in slots for h in s.ranks]
         for slot in slots:
-            ranks, slot.ranks = slot.ranks, []
-            for handle in ranks:
-                handle.kill()
-                if handle.pid > 0:
-                    handle.process.join(timeout=5.0)  # type: ignore[union-attr]
-                handle.close()
+            slot.ranks = []
+        for handle in started:
+            handle.kill()
+        exiting = [h for h in started if not h.close()]  # channels gone at once
+        # reaped without blocking the loop (SIGKILL: they are gone within moments)
+        await _finish(asyncio.gather(*(h.wait_exit(5.0) for h in exiting)))
+        for handle in exiting:
+            handle.reap()
         raise
+
+
+async def _finish(aw: Awaitable[object]) -> None:
+    """Await `aw` to its end even if this task is cancelled meanwhile: clean-up that must not
+    be cut short (the caller re-raises its own error, or the cancellation, right after)."""
+    task = asyncio.ensure_future(aw)
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: a failed clean-up step is not "never retrieved"

@@ -29,6 +29,7 @@ from aioprefill.recovery import RestartBackoff
 from aioprefill.stats import StatsRecorder
 from aioprefill.workers.answers import PeerWatch, forward_done, pop_done, record_answer
 from aioprefill.workers.launch import launch_group
+from aioprefill.workers.process import WorkerHandle
 from aioprefill.workers.restarts import Restarts
 from aioprefill.workers.slot import InFlightBatch, PoolEvents, WorkerSlot
 
@@ -63,6 +64,7 @@ class WorkerPool:
         self._batch_ids = itertools.count(1)
         self._peers = PeerWatch()  # a rank failed: are its peers stuck in a collective?
         self._buffer = bytearray(1 << 16)
+        self._exiting: set[WorkerHandle] = set()  # killed ranks whose exit fd has not fired
 
     # ---- views ----------------------------------------------------------------------------
 
@@ -108,7 +110,7 @@ class WorkerPool:
             for handle in slot.ranks:
                 assert handle.outbox is not None
                 loop.add_reader(handle.outbox.fds()[0], self._events.on_forward_done, slot)
-                loop.add_reader(handle.sentinel, self._on_exit, slot)
+                loop.add_reader(handle.exit_fd, self._on_exit, slot, handle)
             slot.acked = [0] * len(slot.ranks)
             slot.ready = True
             slot.ring_full = False
@@ -125,7 +127,7 @@ class WorkerPool:
                 loop.remove_reader(handle.outbox.fds()[0])
             if handle.process is not None and handle.process.pid is not None:
                 with contextlib.suppress(ValueError, OSError):
-                    loop.remove_reader(handle.sentinel)
+                    loop.remove_reader(handle.exit_fd)
 
     def _discard(self, slot: WorkerSlot, *, kill: bool) -> None:
         """Forget the group's processes and channels (its in-flight work is handled first)."""
@@ -136,9 +138,21 @@ class WorkerPool:
         for handle in ranks:
             if kill:
                 handle.kill()
-            if handle.pid > 0:  # never started (a failed launch): nothing to join
-                handle.process.join(timeout=5.0)  # type: ignore[union-attr]
-            handle.close()
+            if not handle.close():  # still exiting: reaped once its exit fd fires, not waited for
+                self._reap_later(handle)
+
+    def _reap_later(self, handle: WorkerHandle) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        self._exiting.add(handle)
+        loop.add_reader(handle.exit_fd, self._reaped, handle)
+
+    def _reaped(self, handle: WorkerHandle) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(handle.exit_fd)
+        handle.reap()
+        self._exiting.discard(handle)
 
     async def close(self, timeout: float = 5.0) -> None:
         """Stop restarts, ask every group to exit, kill what is left after `timeout`."""
@@ -158,6 +172,11 @@ class WorkerPool:
             for handle in slot.ranks:
                 await handle.wait_exit(deadline - time.monotonic())
             self._discard(slot, kill=True)
+        for handle in list(self._exiting):  # killed earlier (a death), not reaped yet
+            assert self._loop is not None
+            self._loop.remove_reader(handle.exit_fd)
+            await handle.wait_exit(5.0)
+            self._reaped(handle)
 
     # ---- sending --------------------------------------------------------------------------
 
@@ -227,7 +246,7 @@ class WorkerPool:
                         "worker %d: its result ring is corrupt (%s); killing it", slot.index, exc
                     )
                     handle.kill()
-                    self._on_death(slot)
+                    self._on_death(slot, handle, "was killed: its result ring is corrupt")
                     return
                 if view is None:
                     break
@@ -305,30 +324,29 @@ class WorkerPool:
             for handle in slot.ranks:
                 handle.kill()  # its sentinel fires next: handled as a death
 
-    def _on_exit(self, slot: WorkerSlot) -> None:
+    def _on_exit(self, slot: WorkerSlot, dead: WorkerHandle) -> None:
+        """Rank `dead`'s exit fd fired: it exited and can be reaped (its exit code is there)."""
         ranks = slot.ranks
         if not ranks:
             return
         slot.ready = False  # its last answers are read below, but it gets no new batch
         self.read_answers(slot)  # answers it wrote before dying still count
         if slot.ranks is ranks:  # (unless reading them found its ring corrupt: handled there)
-            self._on_death(slot)
+            code = dead.exit_code()  # never waits: the pidfd fires once it can be reaped
+            self._on_death(slot, dead, f"died (exit code {code})")
 
     def _set_of(self, slot: WorkerSlot) -> list[WorkerSlot]:
         return self.sets[0] if self.layout.expert_parallel else [slot]
 
-    def _on_death(self, slot: WorkerSlot) -> None:
-        """Any rank's death is its group's: every rank of the group (of every slot, for an
-        expert-parallel group) is stopped, their batches in flight handed to the engine, and
-        the group restarted as a whole after the backoff."""
-        dead = next((h for h in slot.ranks if not h.is_alive()), slot.ranks[0])
-        assert dead.process is not None
-        dead.process.join(timeout=5.0)  # reaps it: immediate once its sentinel fired
-        code = dead.process.exitcode
+    def _on_death(self, slot: WorkerSlot, dead: WorkerHandle, what: str) -> None:
+        """Rank `dead` died (`what` says how): any rank's death is its group's. Every rank of
+        the group (of every slot, for an expert-parallel group) is stopped, their batches in
+        flight handed to the engine, and the group restarted as a whole after the backoff.
+        Nothing here waits for a process: killed peers are reaped when their exit fd fires."""
         rank = f" rank {slot.ranks.index(dead)}" if len(slot.ranks) > 1 else ""
         where = f"worker {slot.index}{rank}"
-        log.error("%s (pid %d) died with exit code %s", where, dead.pid, code)
-        why = f"{where} died (exit code {code})"
+        log.error("%s (pid %d) %s", where, dead.pid, what)
+        why = f"{where} {what}"
         group = self._set_of(slot)
         for other in group:
             if other is not slot and other.ready:

@@ -69,6 +69,7 @@ class WorkerHandle:
     inbox: Channel | None = None  # engine -> worker
     outbox: Channel | None = None  # worker -> engine
     ready: Ready | None = None
+    _exit_fd = -1  # pidfd: readable once the process exited *and* can be reaped
 
     def __init__(
         self,
@@ -121,6 +122,9 @@ class WorkerHandle:
         )
         self.started_ns = time.monotonic_ns()
         self.process.start()
+        if self._method != "forkserver":  # (its sentinel carries the exit code: see exit_fd)
+            with contextlib.suppress(OSError, AttributeError):  # no pidfd: the sentinel
+                self._exit_fd = os.pidfd_open(self.process.pid)  # type: ignore[arg-type]
 
     @property
     def pid(self) -> int:
@@ -131,14 +135,30 @@ class WorkerHandle:
         assert self.process is not None
         return self.process.sentinel
 
-    def is_alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
+    @property
+    def exit_fd(self) -> int:
+        """The fd that turns readable when the process exits: its pidfd, which fires only once
+        the process can be reaped, so `exit_code()` then never waits (the sentinel, a pipe the
+        child holds, closes while it exits: reaping right after it may still block). The
+        sentinel where pidfds are missing (Linux < 5.3), and under `forkserver`, whose
+        sentinel is the server's socket that turns readable with the exit code (the process is
+        the server's child: only the server can reap it)."""
+        return self._exit_fd if self._exit_fd >= 0 else self.sentinel
+
+    def exit_code(self) -> int | None:
+        """The exit code (negative: the signal) if the process was reaped or can be now; None
+        while it runs. Never blocks: safe on the event loop."""
+        if self.process is None:
+            return None
+        with contextlib.suppress(ValueError):  # the process object was closed
+            return self.process.exitcode
+        return None
 
     async def wait_ready(self, timeout: float) -> Ready:
         """Wait for the worker's Ready; raise WorkerStartFailed if it fails, dies or times out."""
         loop = asyncio.get_running_loop()
         died = loop.create_future()
-        loop.add_reader(self.sentinel, set_once, died)
+        loop.add_reader(self.exit_fd, set_once, died)
         try:
             async with asyncio.timeout(timeout):
                 while True:
@@ -168,14 +188,12 @@ class WorkerHandle:
         except ProtocolError as exc:  # garbage instead of Ready: never trust this worker
             raise WorkerStartFailed(f"worker {self.index} failed to start: {exc}") from exc
         finally:
-            loop.remove_reader(self.sentinel)
+            loop.remove_reader(self.exit_fd)
 
     def _died_before_ready(self) -> str:
-        """Why the worker's sentinel fired before Ready: its exit code (read after reaping,
-        which is immediate once the sentinel fired) and, when it fits, the missing guard."""
-        assert self.process is not None
-        self.process.join(timeout=5.0)
-        code = self.process.exitcode
+        """Why the worker exited before Ready: its exit code (its exit fd fired: reaping it
+        does not wait) and, when it fits, the missing guard."""
+        code = self.exit_code()
         why = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
         hint = missing_guard_hint() if code == 1 else ""
         return (
@@ -198,17 +216,23 @@ class WorkerHandle:
 
     async def wait_exit(self, timeout: float) -> None:
         """Wait up to `timeout` s for the process to exit (e.g. after Shutdown), then kill it."""
-        if self.process is None or not self.is_alive():
-            return
+        if self.pid <= 0 or self.exit_code() is not None:
+            return  # never started, or already exited
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(self.sentinel, set_once, exited)
+        loop.add_reader(self.exit_fd, set_once, exited)
         try:
             await asyncio.wait_for(exited, max(0.0, timeout))
         except TimeoutError:
-            self.kill()
+            self.kill()  # gone within moments; still waited for without blocking the loop
+            loop.remove_reader(self.exit_fd)
+            killed: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(self.exit_fd, set_once, killed)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(killed, 5.0)
         finally:
-            loop.remove_reader(self.sentinel)
+            loop.remove_reader(self.exit_fd)
+        self.exit_code()  # reap it
 
     def kill(self) -> None:
         """SIGKILL the process if it runs (a no-op once it was reaped or closed)."""
@@ -217,12 +241,24 @@ class WorkerHandle:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.process.pid, signal.SIGKILL)
 
-    def close(self) -> None:
-        """Release the channels (unlinking their segments) and reap the process if it exited."""
+    def close(self) -> bool:
+        """Release the channels (unlinking their segments) and, if the process was reaped (or
+        can be now), the process and its exit fd: True. Never waits: a process still exiting
+        keeps its exit fd (False), and `reap()` finishes once that fires."""
         for ch in (self.inbox, self.outbox):
             if ch is not None:
                 ch.close()
                 ch.unlink()
         self.inbox = self.outbox = None
-        if self.process is not None and self.process.exitcode is not None:
+        if self.process is None or self.exit_code() is not None:
+            self.reap()
+            return True
+        return False
+
+    def reap(self) -> None:
+        """The process exited (its exit fd fired): collect it and close its fds."""
+        if self.process is not None and self.exit_code() is not None:
             self.process.close()
+        if self._exit_fd >= 0:
+            os.close(self._exit_fd)
+            self._exit_fd = -1

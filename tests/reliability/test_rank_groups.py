@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,65 @@ async def test_tp_rank_killed_mid_forward_restarts_the_whole_group():
         new = engine.worker_pids()
         assert len(new) == 2 and not set(new) & set(old)
         assert not any(pid_alive(p) for p in old)
+
+
+# The defect stalled the loop 5 s per kill; on a quiet machine the worst stall over these kills
+# is 30-80 ms (mostly the restart's own callbacks). The bound leaves room for a shared 2-core
+# CI machine, where a loaded scheduler alone can hold the loop's thread off for 300 ms.
+STALL_BOUND_S = 0.5
+
+
+class LoopStalls:
+    """The longest the event loop went without running a 2 ms ticker (a blocking call on the
+    loop shows up here as its full length)."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._task = asyncio.ensure_future(self._tick())
+
+    async def _tick(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.002)
+            now = time.monotonic()
+            self.worst = max(self.worst, now - last - 0.002)
+            last = now
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+async def test_tp_rank_killed_at_idle_is_seen_at_once_named_and_never_stalls_the_loop(
+    victim: int, caplog: pytest.LogCaptureFixture
+):
+    """Regression: the death handler took the first rank `is_alive()` called dead, but right
+    after the sentinel fires the dead rank may not be reapable yet, so it picked rank 0 (alive)
+    and blocked the loop 5 s in `join(timeout=5.0)`, then named the live rank with exit code
+    None. The exit fd's callback now names its rank, and nothing on the loop waits for a
+    process: each kill is logged for the right rank with its signal, within a second, and the
+    loop never stalls (see STALL_BOUND_S)."""
+    caplog.set_level(logging.ERROR, logger="aioprefill")
+    async with Engine(EngineConfig(model=sim(1.0), tp_size=2)) as engine:
+        stalls = LoopStalls()
+        try:
+            for kill in range(3):
+                await until(lambda: all_ready(engine), what="the group ready")
+                await asyncio.sleep(0.05)  # idle: no batch in flight
+                pid = engine.worker_pids()[victim]
+                killed_at = time.time()
+                os.kill(pid, signal.SIGKILL)
+                dead = f"worker 0 rank {victim} (pid {pid}) died (exit code -9)"
+                await until(lambda d=dead: any(d in r.getMessage() for r in caplog.records))
+                (record,) = [r for r in caplog.records if dead in r.getMessage()]
+                assert record.created - killed_at < 1.0, f"kill {kill}: seen late"
+            await until(lambda: all_ready(engine), what="the last restart")
+            check([await engine.prefill(PROMPTS[0])], PROMPTS[:1])
+        finally:
+            stalls.stop()
+        deaths = [r.getMessage() for r in caplog.records if "died" in r.getMessage()]
+        assert len(deaths) == 3 and all(f"rank {victim} " in d for d in deaths), deaths
+        assert stalls.worst < STALL_BOUND_S, f"the loop stalled {stalls.worst * 1e3:.0f} ms"
 
 
 async def test_tp_rank_failing_out_of_step_stops_the_group_without_waiting_for_the_barrier():
