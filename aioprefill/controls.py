@@ -19,9 +19,9 @@ from aioprefill.errors import AioprefillError
 from aioprefill.health import EngineHealth, health_of
 
 if TYPE_CHECKING:
+    from aioprefill.pool.pool import WorkerPool
     from aioprefill.result import PrefillResult
     from aioprefill.scheduler import Scheduler
-    from aioprefill.workers.pool import WorkerPool
 
 __all__ = ["SERVING", "EngineControls", "State"]
 

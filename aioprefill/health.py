@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 if TYPE_CHECKING:
-    from aioprefill.workers.slot import WorkerSlot
+    from aioprefill.pool.slot import WorkerSlot
 
 __all__ = ["EngineHealth", "WorkerHealth", "WorkerState", "health_of"]
 

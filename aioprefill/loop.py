@@ -31,6 +31,8 @@ from aioprefill.kv import KVExports
 from aioprefill.outcomes import Outcomes, tagged
 from aioprefill.outputs import parse_outputs
 from aioprefill.policies import policy_class
+from aioprefill.pool.pool import WorkerPool
+from aioprefill.pool.slot import InFlightBatch, PoolEvents, WorkerSlot
 from aioprefill.protocol import BatchFailed, BatchResult
 from aioprefill.recovery import Recovery
 from aioprefill.result import PrefillResult
@@ -39,8 +41,6 @@ from aioprefill.shm.segments import cleanup_stale_segments
 from aioprefill.stats import EngineStats, StatsRecorder
 from aioprefill.timer import LoopTimer
 from aioprefill.validate import validate_controls, validate_prompt
-from aioprefill.workers.pool import WorkerPool
-from aioprefill.workers.slot import InFlightBatch, PoolEvents, WorkerSlot
 
 __all__ = ["Engine"]
 

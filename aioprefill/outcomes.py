@@ -23,12 +23,12 @@ from aioprefill.batching import Request
 from aioprefill.errors import DeadlineExceeded, ForwardFailed, ProtocolError
 from aioprefill.kv import KVExports
 from aioprefill.outputs import read_outputs
+from aioprefill.pool.pool import WorkerPool
+from aioprefill.pool.slot import InFlightBatch
 from aioprefill.protocol import BatchFailed, BatchResult
 from aioprefill.result import PrefillResult
 from aioprefill.scheduler import Scheduler
 from aioprefill.stats import StatsRecorder
-from aioprefill.workers.pool import WorkerPool
-from aioprefill.workers.slot import InFlightBatch
 
 __all__ = ["Outcomes", "tagged"]
 

@@ -17,8 +17,8 @@ import msgspec
 import pytest
 
 from aioprefill import Engine, EngineConfig
+from aioprefill.pool.process import WorkerHandle
 from aioprefill.shm.segments import cleanup_stale_segments
-from aioprefill.workers.process import WorkerHandle
 from tests.reliability.util import SHM, pid_alive, segments_of, sim, wait_dead
 
 CHILD = Path(__file__).with_name("engine_child.py")

@@ -18,10 +18,10 @@ import pytest
 
 from aioprefill import Engine, EngineConfig, PrefillResult
 from aioprefill.errors import ProtocolError, WorkerStartFailed
+from aioprefill.pool.process import WorkerHandle
 from aioprefill.protocol import BatchResult, Ready, encode
 from aioprefill.shm import segments
 from aioprefill.shm.ring import DATA_OFFSET, Ring
-from aioprefill.workers.process import WorkerHandle
 from aioprefill.workers.sim import expected_logprob, expected_token
 from tests.conftest import own_segments
 from tests.reliability.util import all_ready, kill_worker, sim, until

@@ -18,7 +18,7 @@ from aioprefill import (
     WorkerCrashed,
 )
 from aioprefill.errors import WorkerStartFailed
-from aioprefill.workers.process import WorkerHandle
+from aioprefill.pool.process import WorkerHandle
 from aioprefill.workers.sim import expected_token
 from tests.conftest import own_segments
 from tests.reliability.util import all_ready, busy_worker, kill_worker, pid_alive, sim, until

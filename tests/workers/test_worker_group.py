@@ -16,9 +16,9 @@ import pytest
 
 from aioprefill import protocol
 from aioprefill.config import EngineConfig, ModelSpec, SimModel
+from aioprefill.pool.process import WorkerHandle
 from aioprefill.protocol import BatchDone, BatchResult
 from aioprefill.workers.group import EXIT_GROUP_BROKEN, free_port
-from aioprefill.workers.process import WorkerHandle
 from aioprefill.workers.sim import expected_token
 from tests.model.batches import SMALL
 

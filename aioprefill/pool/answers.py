@@ -19,8 +19,8 @@ import asyncio
 import logging
 
 from aioprefill.errors import ProtocolError
+from aioprefill.pool.slot import InFlightBatch, WorkerSlot
 from aioprefill.protocol import BatchDone, BatchFailed, BatchResult
-from aioprefill.workers.slot import InFlightBatch, WorkerSlot
 
 __all__ = [
     "PEER_GRACE_S",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from aioprefill.pool.answers import pop_done, record_answer
+from aioprefill.pool.slot import InFlightBatch, WorkerSlot
 from aioprefill.protocol import BatchDone, BatchFailed, BatchResult
 from aioprefill.recovery import RestartBackoff
-from aioprefill.workers.answers import pop_done, record_answer
-from aioprefill.workers.slot import InFlightBatch, WorkerSlot
 
 
 def group(num_ranks: int, batch_ids: list[int]) -> WorkerSlot:

@@ -15,10 +15,10 @@ from typing import Literal
 
 from aioprefill.config import EngineConfig
 from aioprefill.parallel import ParallelLayout
+from aioprefill.pool.process import WorkerHandle
+from aioprefill.pool.slot import WorkerSlot
 from aioprefill.protocol import Ready
 from aioprefill.workers.group import free_port
-from aioprefill.workers.process import WorkerHandle
-from aioprefill.workers.slot import WorkerSlot
 
 __all__ = ["launch_group"]
 

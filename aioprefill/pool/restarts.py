@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from aioprefill.workers.slot import PoolEvents, WorkerSlot
+from aioprefill.pool.slot import PoolEvents, WorkerSlot
 
 __all__ = ["Restarts"]
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aioprefill.batching import Chunk
+from aioprefill.pool.process import WorkerHandle
 from aioprefill.protocol import BatchFailed, BatchResult
 from aioprefill.recovery import RestartBackoff
-from aioprefill.workers.process import WorkerHandle
 
 __all__ = ["InFlightBatch", "PoolEvents", "WorkerSlot"]
 

@@ -22,10 +22,10 @@ from typing import Any, Literal
 from aioprefill import protocol
 from aioprefill.config import EngineConfig, PaddleModel
 from aioprefill.errors import ProtocolError, WorkerStartFailed
+from aioprefill.pool.main_guard import missing_guard_hint, refuse_while_bootstrapping
 from aioprefill.protocol import Ready, StartFailed, WorkerSpec
 from aioprefill.shm.channel import Channel
 from aioprefill.workers.main import worker_main
-from aioprefill.workers.main_guard import missing_guard_hint, refuse_while_bootstrapping
 
 __all__ = ["WorkerHandle", "set_once", "start_method_for"]
 
