@@ -10,14 +10,21 @@ it for its whole duration; alone, it takes the full budget.
 These functions only *propose*: they never change a `Request`. The `Scheduler` marks a batch's
 requests dispatched once the pool has accepted it, so a full ring needs no rollback of fields.
 `Columns` is the one place where a request's wire columns are produced.
+
+Expert-parallel ranks run different batches but step together: each MoE layer exchanges tokens
+between them, so every rank must run every step, and a rank with no work gets an empty batch
+(only when a peer got work: with nothing pending, no step at all). `split_step` decides who
+runs what in the next step: late binding (a request goes to whichever rank has room when the
+step forms) and balance by tokens (the step lasts as long as its fullest rank), within the
+usual batch budgets, first come first served.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
+from aioprefill.core import Budget, Chunk, Request
 from aioprefill.outputs import option_columns
 from aioprefill.protocol import FLAG_FIRST_CHUNK, FLAG_LAST_CHUNK, PrefillBatch, make_prefill_batch
 
@@ -28,67 +35,9 @@ __all__ = [
     "Request",
     "StagedBatch",
     "is_full",
-    "least_loaded",
+    "split_step",
     "take_batch",
 ]
-
-
-@dataclass(slots=True, eq=False)
-class Request:
-    """One prompt while the engine owns it. Only the `Scheduler` writes its fields.
-
-    `handle` is the engine's own (its future). Per-request options belong here and in
-    `Columns`, the one place that turns a request into wire columns.
-    """
-
-    request_id: int
-    tokens: bytes  # the prompt as int32 little-endian bytes, ready for the wire
-    submitted_ns: int
-    handle: Any = None
-    next_pos: int = 0  # tokens already sent in earlier chunks
-    worker: int = -1  # pinned once a chunk was sent: its KV cache lives on that group
-    chunk_in_flight: bool = False
-    cancelled: bool = False  # cancelled by its caller, or failed: dropped wherever it is
-    num_chunks: int = 0
-    attempts: int = 0
-    outputs: Any = None  # aioprefill.outputs.Outputs, when the caller asked for more than a token
-    tag: str | int | None = None  # the caller's request_id: in its errors and the logs
-    num_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_tokens = len(self.tokens) >> 2
-
-    @property
-    def remaining(self) -> int:
-        return self.num_tokens - self.next_pos
-
-
-@dataclass(slots=True, frozen=True)
-class Chunk:
-    """Tokens `[start, end)` of one request, as they ride in one batch."""
-
-    request: Request
-    start: int
-    end: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    @property
-    def is_last(self) -> bool:
-        return self.end == self.request.num_tokens
-
-
-@dataclass(slots=True, frozen=True)
-class Budget:
-    max_batch_tokens: int
-    max_batch_size: int
-    chunked: bool = True
-
-    def is_long(self, request: Request) -> bool:
-        """Long prompts are chunked; every other prompt always travels whole."""
-        return self.chunked and request.num_tokens > self.max_batch_tokens
 
 
 class Columns:
@@ -288,10 +237,60 @@ def is_full(num_requests: int, num_tokens: int, budget: Budget) -> bool:
     return num_requests >= budget.max_batch_size or num_tokens >= budget.max_batch_tokens
 
 
-def least_loaded(in_flight: list[int], usable: list[bool]) -> int:
-    """The usable group with the fewest batches in flight (lowest index on ties), or -1."""
-    best = -1
-    for i, (n, ok) in enumerate(zip(in_flight, usable, strict=True)):
-        if ok and (best < 0 or n < in_flight[best]):
-            best = i
-    return best
+def split_step(pending: deque[Request], num_ranks: int, budget: Budget) -> list[list[Chunk]]:
+    """Remove and return each rank's chunks for the next step.
+
+    Each request goes to the rank it is pinned to (a chunked prompt's KV cache lives there),
+    else to the rank with the fewest tokens so far that has room for it. A long prompt (over
+    `max_batch_tokens`, chunking on) sends one chunk per step, as large as its rank has room
+    for, at most one long prompt per rank. The first short unpinned request that no rank has
+    room for ends the step, so no request overtakes an earlier one of its size class. Skips
+    (and drops) cancelled requests and skips those whose previous chunk still runs. Requests
+    whose last chunk is taken leave `pending`; the others keep their place. Changes no
+    request: the caller marks the chunks sent once they are.
+    """
+    max_tokens, max_size = budget.max_batch_tokens, budget.max_batch_size
+    long_threshold = max_tokens if budget.chunked else 1 << 62
+    loads = [0] * num_ranks
+    has_long = [False] * num_ranks
+    steps: list[list[Chunk]] = [[] for _ in range(num_ranks)]
+    kept: list[Request] = []
+    everyone = range(num_ranks)
+    popleft = pending.popleft
+    while pending:
+        req = popleft()
+        if req.cancelled:
+            continue
+        if req.chunk_in_flight:
+            kept.append(req)
+            continue
+        is_long = req.num_tokens > long_threshold
+        remaining = req.num_tokens - req.next_pos
+        ranks = (req.worker,) if 0 <= req.worker < num_ranks else everyone
+        placed = False
+        for r in sorted(ranks, key=loads.__getitem__):
+            if len(steps[r]) >= max_size:
+                continue
+            room = max_tokens - loads[r]
+            if is_long:
+                if has_long[r] or room <= 0:
+                    continue
+                size = min(remaining, room)
+                has_long[r] = True
+            elif remaining <= room:
+                size = remaining
+            else:
+                continue
+            steps[r].append(Chunk(req, req.next_pos, req.next_pos + size))
+            loads[r] += size
+            if size < remaining:
+                kept.append(req)  # more chunks to come: it keeps its place
+            placed = True
+            break
+        if not placed:
+            kept.append(req)
+            if not is_long and ranks is everyone:
+                break  # FCFS: nothing behind it may take its place
+    if kept:
+        pending.extendleft(reversed(kept))
+    return steps

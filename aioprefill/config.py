@@ -8,16 +8,10 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
-from aioprefill.models import (
-    ARCHITECTURES,
-    ROPE_TYPES,
-    ModelSpec,
-    PaddleModel,
-    SimModel,
-    _finite_nonneg,
-    _positive_int,
-    _require,
-)
+from aioprefill.checks import finite_nonneg as _finite_nonneg
+from aioprefill.checks import positive_int as _positive_int
+from aioprefill.checks import require as _require
+from aioprefill.models import ARCHITECTURES, ROPE_TYPES, ModelSpec, PaddleModel, SimModel
 from aioprefill.parallel import check_parallel
 
 __all__ = [

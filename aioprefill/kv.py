@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from aioprefill.config import ModelSpec, PaddleModel
 from aioprefill.errors import InvalidRequest, KVBudgetExceeded, KVExportClosed
+from aioprefill.models import ModelSpec, PaddleModel
 from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
 
 __all__ = ["KVExport", "KVExports", "KVLayout", "KVTicket", "kv_layout"]

@@ -23,9 +23,9 @@ from collections import deque
 from typing import Any
 
 from aioprefill.affinity import LoopAffinity
-from aioprefill.batching import Budget, Request
 from aioprefill.config import EngineConfig
 from aioprefill.controls import SERVING, EngineControls, State
+from aioprefill.core import Budget, Request
 from aioprefill.errors import AioprefillError, EngineClosed, EngineOverloaded, WorkerStartFailed
 from aioprefill.kv import KVExports
 from aioprefill.outcomes import Outcomes, tagged
@@ -74,7 +74,7 @@ class Engine(EngineControls):
         policy = policy_class(config.policy, expert_parallel=config.expert_parallel)
         self._sched = Scheduler(budget, staging=policy.staging)
         self._kv = KVExports(config.model, config.max_kv_export_bytes)
-        self._outcomes = Outcomes(self._sched, self._pool, self._stats, self._kv)
+        self._outcomes = Outcomes(self._sched, self._pool.free_later, self._stats, self._kv)
         self._recovery = Recovery(self._sched, self._outcomes, config.max_retries)
         self._policy = policy(
             self._sched, self._pool, self._timer, batch_timeout_ms=config.batch_timeout_ms

@@ -7,42 +7,16 @@ The engine sends a spec to its worker processes msgspec-encoded, never pickled. 
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Literal
 
 import msgspec
 
-from aioprefill.errors import InvalidConfig
+from aioprefill.checks import finite_nonneg as _finite_nonneg
+from aioprefill.checks import positive_int as _positive_int
+from aioprefill.checks import require as _require
 
 __all__ = ["ARCHITECTURES", "ROPE_TYPES", "ModelSpec", "PaddleModel", "SimModel"]
-
-
-def _require(ok: bool, name: str, why: str) -> None:
-    if not ok:
-        raise InvalidConfig(f"{name}: {why}")
-
-
-def _positive_int(value: object, name: str, *, allow_zero: bool = False) -> None:
-    _require(
-        isinstance(value, int) and not isinstance(value, bool),
-        name,
-        f"must be an int, got {value!r}",
-    )
-    assert isinstance(value, int)
-    _require(
-        value >= (0 if allow_zero else 1), name, f"must be >= {0 if allow_zero else 1}, got {value}"
-    )
-
-
-def _finite_nonneg(value: object, name: str) -> None:
-    _require(
-        isinstance(value, (int, float)) and not isinstance(value, bool),
-        name,
-        f"must be a number, got {value!r}",
-    )
-    assert isinstance(value, (int, float))
-    _require(math.isfinite(value) and value >= 0, name, f"must be finite and >= 0, got {value}")
 
 
 class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
@@ -259,7 +233,7 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
         """
         from aioprefill.hf import spec_from_pretrained
 
-        return spec_from_pretrained(path, overrides)
+        return spec_from_pretrained(cls, path, overrides)
 
     @property
     def max_prompt_tokens(self) -> int:

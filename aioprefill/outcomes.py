@@ -19,12 +19,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from aioprefill.batching import Request
+from aioprefill.core import InFlightBatch, Request
 from aioprefill.errors import DeadlineExceeded, ForwardFailed, ProtocolError
 from aioprefill.kv import KVExports
 from aioprefill.outputs import read_outputs
-from aioprefill.pool.pool import WorkerPool
-from aioprefill.pool.slot import InFlightBatch
 from aioprefill.protocol import BatchFailed, BatchResult
 from aioprefill.result import PrefillResult
 from aioprefill.scheduler import Scheduler
@@ -48,10 +46,16 @@ def tagged(error: BaseException, tag: str | int | None) -> BaseException:
 
 class Outcomes:
     def __init__(
-        self, sched: Scheduler, pool: WorkerPool, stats: StatsRecorder, kv: KVExports
+        self,
+        sched: Scheduler,
+        free_later: Callable[[int, list[int]], None],
+        stats: StatsRecorder,
+        kv: KVExports,
     ) -> None:
+        """`free_later(group, ids)`: have that group drop these requests' KV state with its
+        next batch (`WorkerPool.free_later`)."""
         self._sched = sched
-        self._pool = pool
+        self._free_later = free_later
         self._stats = stats
         self._kv = kv
 
@@ -64,7 +68,7 @@ class Outcomes:
         self._stats.cancelled += 1
         group = self._sched.cancel(req)
         if group >= 0:  # its KV cache waits there between two chunks: drop it
-            self._pool.free_later(group, [req.request_id])
+            self._free_later(group, [req.request_id])
 
     def resolve(self, group: int, batch: InFlightBatch, msg: BatchResult) -> None:
         """Answer every request whose last chunk `batch` carried, checking ids one by one."""
@@ -78,7 +82,7 @@ class Outcomes:
             # and its group drops its KV cache.
             broken = [c for c in batch.chunks if not c.is_last and c.request.outputs is not None]
             if broken:
-                self._pool.free_later(group, [c.request.request_id for c in broken])
+                self._free_later(group, [c.request.request_id for c in broken])
             self.fail([c.request for c in batch.chunks if c.is_last or c in broken], exc)
             return
         finished_ns = time.monotonic_ns()

@@ -18,8 +18,8 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from aioprefill.config import PaddleModel, SimModel
 from aioprefill.errors import ProtocolError
+from aioprefill.models import PaddleModel, SimModel
 from aioprefill.shm.channel import ChannelSpec
 
 __all__ = [

@@ -1,34 +1,27 @@
-"""What happens after a worker group dies: which requests are retried, and when it restarts.
+"""What happens to a dead worker group's requests: which are retried, which fail.
 
-`plan_recovery` and `RestartBackoff` decide on plain data; `Recovery.after_death` applies the
-plan through the `Scheduler` (requeue) and `Outcomes` (fail callers); the `WorkerPool` restarts
-the group after the backoff.
+`plan_recovery` decides on plain data; `Recovery.after_death` applies the plan through the
+`Scheduler` (requeue) and `Outcomes` (fail callers); the `WorkerPool` restarts the group after
+its `RestartBackoff` (`pool/backoff.py`).
 
 - A request the dead group held (in a batch in its ring, or queued between two chunks whose
   KV cache lived there) is retried from its first token, up to `max_retries` times per
   request, then fails with `WorkerCrashed`. Nothing is retried once the engine is closing.
-- A group is restarted after a backoff: 50 ms after the first death in `restart_window_s`,
-  doubling with each further death in the window, at most 5 s. Past `max_restarts` deaths in
-  the window it is given up; when every group is given up the engine is broken.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from aioprefill.batching import Request
+from aioprefill.core import Request
 from aioprefill.errors import WorkerCrashed
 from aioprefill.scheduler import InFlight, Scheduler
 
 if TYPE_CHECKING:
     from aioprefill.outcomes import Outcomes
 
-__all__ = ["Recovery", "RestartBackoff", "plan_recovery"]
-
-_BACKOFF_FIRST_S = 0.05
-_BACKOFF_MAX_S = 5.0
+__all__ = ["Recovery", "plan_recovery"]
 
 
 def plan_recovery(
@@ -80,25 +73,3 @@ class Recovery:
             self._outcomes.fail([req], error)
         sched.requeue_first([req for req in retry if sched.retry(req)])
         return len(retry)
-
-
-class RestartBackoff:
-    """One group's recent deaths, and the delay before its next restart."""
-
-    __slots__ = ("deaths", "gave_up", "max_restarts", "window_s")
-
-    def __init__(self, window_s: float, max_restarts: int) -> None:
-        self.window_s = window_s
-        self.max_restarts = max_restarts
-        self.deaths: deque[float] = deque()
-        self.gave_up = False  # died too often: no more restarts
-
-    def note_death(self, now: float) -> float | None:
-        """Record a death at `now` (seconds); return the backoff, or None: give up."""
-        self.deaths.append(now)
-        while self.deaths and now - self.deaths[0] > self.window_s:
-            self.deaths.popleft()
-        if len(self.deaths) > self.max_restarts:
-            self.gave_up = True
-            return None
-        return min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (len(self.deaths) - 1))

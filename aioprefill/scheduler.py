@@ -20,8 +20,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, ClassVar, Protocol
 
-from aioprefill.batching import Budget, Chunk, Columns, Request, StagedBatch, take_batch
-from aioprefill.lockstep import split_step
+from aioprefill.batching import Columns, StagedBatch, split_step, take_batch
+from aioprefill.core import Budget, Chunk, Request
 
 __all__ = ["BatchSink", "InFlight", "Scheduler"]
 

@@ -7,7 +7,6 @@ from aioprefill.batching import (
     Request,
     StagedBatch,
     is_full,
-    least_loaded,
     take_batch,
 )
 
@@ -83,9 +82,6 @@ def test_chunking_disabled_keeps_prompts_whole():
 def test_helpers():
     budget = Budget(max_batch_tokens=100, max_batch_size=3)
     assert is_full(3, 1, budget) and is_full(1, 100, budget) and not is_full(2, 99, budget)
-    assert least_loaded([2, 0, 0], [True, True, True]) == 1
-    assert least_loaded([2, 0, 1], [True, False, True]) == 2
-    assert least_loaded([0], [False]) == -1
 
 
 def test_staged_batch_is_what_take_batch_would_pick():

@@ -1,7 +1,8 @@
 """Recovery decisions on plain data: who is retried after a death, and the restart backoff."""
 
 from aioprefill.batching import Chunk, Request
-from aioprefill.recovery import RestartBackoff, plan_recovery
+from aioprefill.pool.backoff import RestartBackoff
+from aioprefill.recovery import plan_recovery
 from tests.policies.fake_pool import FakeBatch
 
 

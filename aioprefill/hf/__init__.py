@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aioprefill.config import PaddleModel
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config import spec_fields
 from aioprefill.hf.tensors import WeightsError
+
+if TYPE_CHECKING:  # annotations only: hf sits below the specs (models imports it)
+    from aioprefill.models import PaddleModel
 
 __all__ = ["WeightsError", "check_spec_against_config", "spec_from_pretrained"]
 
@@ -48,9 +50,12 @@ _FUNCTION_FIELDS = frozenset(
 )
 
 
-def spec_from_pretrained(path: str | os.PathLike[str], overrides: dict[str, object]) -> PaddleModel:
-    """The `PaddleModel` of a checkpoint directory, `overrides` applied, its tensors checked
-    against it (headers only: nothing is loaded here)."""
+def spec_from_pretrained(
+    cls: type[PaddleModel], path: str | os.PathLike[str], overrides: dict[str, object]
+) -> PaddleModel:
+    """The `PaddleModel` (`cls`, passed in: this package sits below the specs and never imports
+    them) of a checkpoint directory, `overrides` applied, its tensors checked against it
+    (headers only: nothing is loaded here)."""
     from aioprefill.workers.weights import check_checkpoint
 
     directory = Path(os.fspath(path)).resolve()
@@ -59,7 +64,7 @@ def spec_from_pretrained(path: str | os.PathLike[str], overrides: dict[str, obje
     if not (directory / CONFIG_FILE).is_file():
         raise InvalidConfig(f"{directory}: no {CONFIG_FILE}")
     fields = {**spec_fields(_read_config(directory)), "weights": str(directory)}
-    known = set(PaddleModel.__struct_fields__)
+    known = set(cls.__struct_fields__)
     for name in overrides:
         if name not in known:
             raise InvalidConfig(f"PaddleModel.from_pretrained: unknown field {name!r}")
@@ -68,7 +73,7 @@ def spec_from_pretrained(path: str | os.PathLike[str], overrides: dict[str, obje
                 f"PaddleModel.from_pretrained: {name} comes from the checkpoint and cannot be "
                 "overridden (it would compute a different function)"
             )
-    spec = PaddleModel(**{**fields, **overrides})
+    spec = cls(**{**fields, **overrides})
     check_checkpoint(str(directory), spec)
     return spec
 

@@ -15,9 +15,12 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from aioprefill.config import PaddleModel
 from aioprefill.errors import InvalidConfig
+
+if TYPE_CHECKING:  # annotations only: hf sits below the specs (models imports it)
+    from aioprefill.models import PaddleModel
 
 __all__ = [
     "INDEX_FILE",

@@ -25,12 +25,12 @@ from aioprefill.errors import ProtocolError
 from aioprefill.outputs import unspill
 from aioprefill.parallel import ParallelLayout
 from aioprefill.pool.answers import PeerWatch, forward_done, pop_done, record_answer
+from aioprefill.pool.backoff import RestartBackoff
 from aioprefill.pool.launch import launch_group
 from aioprefill.pool.process import WorkerHandle
 from aioprefill.pool.restarts import Restarts
 from aioprefill.pool.slot import InFlightBatch, PoolEvents, WorkerSlot
 from aioprefill.protocol import BatchDone, BatchFailed, BatchResult, Spilled
-from aioprefill.recovery import RestartBackoff
 from aioprefill.stats import StatsRecorder
 
 __all__ = ["WorkerPool"]

@@ -20,8 +20,9 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
 from aioprefill import protocol
-from aioprefill.config import EngineConfig, PaddleModel
+from aioprefill.config import EngineConfig
 from aioprefill.errors import ProtocolError, WorkerStartFailed
+from aioprefill.models import PaddleModel
 from aioprefill.pool.main_guard import missing_guard_hint, refuse_while_bootstrapping
 from aioprefill.protocol import Ready, StartFailed, WorkerSpec
 from aioprefill.shm.channel import Channel

@@ -15,23 +15,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from aioprefill.batching import Chunk
+from aioprefill.core import InFlightBatch
+from aioprefill.pool.backoff import RestartBackoff
 from aioprefill.pool.process import WorkerHandle
 from aioprefill.protocol import BatchFailed, BatchResult
-from aioprefill.recovery import RestartBackoff
 
 __all__ = ["InFlightBatch", "PoolEvents", "WorkerSlot"]
-
-
-@dataclass(slots=True, eq=False)
-class InFlightBatch:
-    batch_id: int
-    num_tokens: int
-    dispatched_ns: int
-    backlogged: bool  # work was waiting when it was sent: the gap before it is a bubble
-    chunks: list[Chunk] = field(default_factory=list)  # filled by the Scheduler once sent
-    answers: int = 0  # ranks of the group that answered it so far
-    answer: BatchResult | BatchFailed | None = None  # rank 0's, or the first rank's failure
 
 
 @dataclass(slots=True, eq=False)

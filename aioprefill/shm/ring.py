@@ -34,20 +34,9 @@ Byte layout (all integers native little-endian; offsets in bytes from the segmen
     max_frame = capacity / 2 - 8. Any frame that size or smaller fits, wrap marker included,
     in an empty ring whatever the offset, so a waiting producer always makes progress.
 
-Ordering. Producer: write the frame bytes, then store head (one aligned 8-byte store, via a
-'Q'-cast memoryview: atomic on x86-64; `struct.pack_into("<Q")` writes byte by byte and
-could be read torn), then `eventfd_write` to the consumer's data eventfd; that syscall is the
-release. Consumer: `eventfd_read` (the acquire), then load head, then read the frame, then
-store tail, then `eventfd_write` to the producer's space eventfd. Between syscalls a
-consumer that re-reads head (draining several frames per wake-up) relies on x86-64 TSO: stores
-become visible in program order and loads are not reordered with older loads, so a head it
-sees implies the frame bytes before it are visible. A weakly ordered CPU (arm64) would need
-explicit acquire/release fences there, which Python cannot issue; only x86-64 is supported.
-
-Trust. Every offset and length read from shared memory is checked before use: a corrupt
-header, a lying length, head < tail or head - tail > capacity raises `ProtocolError`, never an
-out-of-bounds read, a hang or a crash. (A peer that shrinks the segment with ftruncate could
-still SIGBUS us; peers are processes of the same user, so this is not defended against.)
+Ordering: the producer stores the frame, then head (one aligned 8-byte store), then writes
+the consumer's eventfd (the release); the consumer reads its eventfd (the acquire), then head,
+the frame, and stores tail. x86-64 only; the package docstring says why, and what is trusted.
 """
 
 from __future__ import annotations
@@ -58,12 +47,7 @@ import os
 from typing import Any
 
 from aioprefill.errors import AioprefillError, FrameTooLarge, ProtocolError
-from aioprefill.shm.segments import (
-    attach_segment,
-    create_segment,
-    segment_name,
-    unlink_segment,
-)
+from aioprefill.shm.segments import attach_segment, create_segment, segment_name, unlink_segment
 
 __all__ = ["DATA_OFFSET", "MAX_CAPACITY", "MIN_CAPACITY", "Ring", "RingClosed"]
 
@@ -116,7 +100,7 @@ class Ring:
         try:
             self._setup(mm)
         except BaseException:
-            _release_views(self)
+            self.close()
             raise
 
     def _setup(self, mm: mmap.mmap) -> None:
@@ -332,7 +316,19 @@ class Ring:
         If the caller still holds a view derived from a frame, the mapping stays alive until
         that view is released or collected; nothing else in the ring is usable.
         """
-        _release_views(self)
+        for attr in ("_view", "_words", "_data", "_ctrl", "_buf"):
+            view = getattr(self, attr)
+            if view is not None:
+                setattr(self, attr, None)
+                # An export of a frame view may be alive: the mapping then outlives it.
+                with contextlib.suppress(BufferError):
+                    view.release()
+        mm = self._mmap
+        if mm is not None:
+            self._mmap = None
+            # A caller's view may still point in: the mapping goes when that view goes.
+            with contextlib.suppress(BufferError):
+                mm.close()
 
     def unlink(self) -> None:
         """Remove the segment name (creator only; a no-op for attached rings, idempotent)."""
@@ -351,19 +347,3 @@ class Ring:
         role = "owner" if self._owner else "attached"
         state = "closed" if self.closed else f"capacity={self.capacity}"
         return f"<Ring {self._name!r} {role} {state}>"
-
-
-def _release_views(ring: Ring) -> None:
-    for attr in ("_view", "_words", "_data", "_ctrl", "_buf"):
-        view = getattr(ring, attr)
-        if view is not None:
-            setattr(ring, attr, None)
-            # An export of a frame view may be alive: the mapping then outlives it.
-            with contextlib.suppress(BufferError):
-                view.release()
-    mm = ring._mmap
-    if mm is not None:
-        ring._mmap = None
-        # A caller's view may still point in: the mapping goes when that view goes.
-        with contextlib.suppress(BufferError):
-            mm.close()

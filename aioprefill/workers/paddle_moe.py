@@ -31,7 +31,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from aioprefill.config import PaddleModel
+from aioprefill.models import PaddleModel
 from aioprefill.workers.collectives import PaddleGroup
 
 __all__ = ["MoE"]

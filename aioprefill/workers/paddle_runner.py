@@ -44,9 +44,9 @@ warnings.filterwarnings("ignore", message="No ccache found", category=UserWarnin
 import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
 
-from aioprefill.config import PaddleModel  # noqa: E402
 from aioprefill.errors import InvalidConfig  # noqa: E402
 from aioprefill.kv import kv_layout  # noqa: E402
+from aioprefill.models import PaddleModel  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import paddle
 
-from aioprefill.config import PaddleModel
+from aioprefill.models import PaddleModel
 from aioprefill.workers.collectives import PaddleGroup
 from aioprefill.workers.kv_writer import ALONE, KVShare
 from aioprefill.workers.runner import ForwardBatch

@@ -29,9 +29,9 @@ from typing import NamedTuple
 import numpy as np
 import paddle
 
-from aioprefill.config import PaddleModel
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.tensors import layer_parts
+from aioprefill.models import PaddleModel
 from aioprefill.workers.paddle_moe import MoE
 from aioprefill.workers.paddle_shard import Shard
 from aioprefill.workers.rope import rope_inv_freq

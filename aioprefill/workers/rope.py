@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from aioprefill.config import PaddleModel
+from aioprefill.models import PaddleModel
 
 __all__ = ["rope_inv_freq"]
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aioprefill import protocol
-from aioprefill.config import SimModel
 from aioprefill.kv import SIM_KV_LAYOUT
+from aioprefill.models import SimModel
 from aioprefill.workers.barrier import SocketBarrier
 from aioprefill.workers.kv_writer import KVWriters, open_writers
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput

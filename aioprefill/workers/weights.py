@@ -21,11 +21,11 @@ import json
 import os
 import struct
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from aioprefill.config import PaddleModel
 from aioprefill.hf.tensors import (
     WeightsError,
     checkpoint_files,
@@ -33,6 +33,9 @@ from aioprefill.hf.tensors import (
     is_ignored,
     part_of,
 )
+
+if TYPE_CHECKING:  # annotations only: hf, below the specs, checks headers with this
+    from aioprefill.models import PaddleModel
 
 __all__ = [
     "WeightsError",

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import deque
 
 from aioprefill.pool.answers import pop_done, record_answer
+from aioprefill.pool.backoff import RestartBackoff
 from aioprefill.pool.slot import InFlightBatch, WorkerSlot
 from aioprefill.protocol import BatchDone, BatchFailed, BatchResult
-from aioprefill.recovery import RestartBackoff
 
 
 def group(num_ranks: int, batch_ids: list[int]) -> WorkerSlot:
