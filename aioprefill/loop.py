@@ -19,21 +19,21 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections import deque
 from typing import Any
 
 from aioprefill.affinity import LoopAffinity
 from aioprefill.config import EngineConfig
-from aioprefill.controls import SERVING, EngineControls, State
-from aioprefill.core import Budget, Request
+from aioprefill.controls import EngineControls, Lifecycle
+from aioprefill.core import Budget, InFlightBatch, Request
 from aioprefill.errors import AioprefillError, EngineClosed, EngineOverloaded, WorkerStartFailed
 from aioprefill.kv import KVExports
 from aioprefill.outcomes import Outcomes, tagged
 from aioprefill.outputs import parse_outputs
 from aioprefill.policies import policy_class
 from aioprefill.pool.pool import WorkerPool
-from aioprefill.pool.slot import InFlightBatch, PoolEvents, WorkerSlot
-from aioprefill.protocol import BatchFailed, BatchResult
+from aioprefill.pool.process import WorkerHandle
+from aioprefill.pool.slot import PoolEvents, WorkerSlot
+from aioprefill.protocol import BatchFailed
 from aioprefill.recovery import Recovery
 from aioprefill.result import PrefillResult
 from aioprefill.scheduler import Scheduler
@@ -57,16 +57,10 @@ class Engine(EngineControls):
         budget = Budget(
             config.max_batch_tokens, config.max_batch_size, config.enable_chunked_prefill
         )
-        self._state = State.NEW
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._affinity = LoopAffinity()  # the loop (and thread) that starts it owns it
         self._stats = StatsRecorder()
         events = PoolEvents(
-            self._on_forward_done,
-            self._on_batch_done,
-            self._on_death,
-            self._on_restarted,
-            self._on_gave_up,
+            self._on_forward_done, self._on_exit, self._on_restarted, self._on_gave_up
         )
         self._pool = WorkerPool(config, self._stats, events)
         self._timer = LoopTimer(self._on_timer)
@@ -80,9 +74,7 @@ class Engine(EngineControls):
             self._sched, self._pool, self._timer, batch_timeout_ms=config.batch_timeout_ms
         )
         self._early = policy.early
-        self._room_waiters: deque[asyncio.Future[None]] = deque()
-        self._idle_waiter: asyncio.Future[None] | None = None
-        self._broken: AioprefillError | None = None
+        self._life = Lifecycle(self._sched, config.max_pending)  # the state's one writer
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -95,17 +87,15 @@ class Engine(EngineControls):
 
     async def start(self) -> None:
         """Start every worker and wait until each reports ready."""
-        if self._state is not State.NEW:
-            raise EngineClosed(f"engine cannot start: it is {self._state.value}")
-        self._state = State.STARTING
-        self._loop = self._timer.loop = self._affinity.bind()
+        self._life.starting(self._affinity.bind())
+        self._timer.loop = self._life.loop
         cleanup_stale_segments()
         try:
             await self._pool.start()
         except BaseException:
-            self._state = State.CLOSED
+            self._life.started(ok=False)
             raise
-        self._state = State.RUNNING
+        self._life.started(ok=True)
 
     async def close(self, *, drain: bool = True) -> None:
         """Stop accepting work, finish (or fail) what was accepted, stop the workers.
@@ -114,18 +104,17 @@ class Engine(EngineControls):
         left then fails with `EngineClosed`. Leaves no worker process and no shared memory.
         """
         self._affinity.check("close()")
-        if self._state in (State.CLOSING, State.CLOSED):
+        if not self._life.closing():
             return
-        self._state = State.CLOSING
         self._pool.restarts.allowed = False
-        if drain and self._broken is None:
+        if drain and self._life.broken is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle(), self.config.shutdown_timeout_s)
+                await asyncio.wait_for(self._life.idle(), self.config.shutdown_timeout_s)
         self._fail_everything(EngineClosed("engine closed before this request finished"))
         await self._pool.close(timeout=5.0)
         self._kv.close_all()
         self._timer.cancel()
-        self._state = State.CLOSED
+        self._life.closed()
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -159,7 +148,7 @@ class Engine(EngineControls):
         self._affinity.check("prefill()")
         validate_controls(deadline_s, request_id)
         try:  # a caller's request_id names the request in these errors too
-            self._check_open()
+            self._life.check_open()
             vocab_size = self.config.model.vocab_size
             prompt = validate_prompt(tokens, vocab_size, self.config.max_prompt_tokens or 0)
             outputs = parse_outputs(
@@ -178,9 +167,9 @@ class Engine(EngineControls):
                         f"{sched.num_pending} requests already pending (max_pending="
                         f"{self.config.max_pending}); retry later or pass wait=True"
                     )
-                await self._wait_for_room()
-            assert self._loop is not None
-            future: asyncio.Future[PrefillResult] = self._loop.create_future()
+                await self._life.wait_for_room()
+            assert self._life.loop is not None
+            future: asyncio.Future[PrefillResult] = self._life.loop.create_future()
             if outputs is not None and return_kv:  # KVBudgetExceeded: nothing queued
                 outputs.kv = self._kv.reserve(len(prompt) >> 2)
                 future.add_done_callback(functools.partial(self._kv.settle, outputs.kv))
@@ -191,7 +180,8 @@ class Engine(EngineControls):
         req = sched.submit(prompt, submitted_ns, future, outputs, request_id)
         self._stats.submitted += 1
         if deadline_s is not None:  # armed before dispatch: deadline 0 still lets an idle worker
-            timer = self._outcomes.arm_deadline(self._loop, req, deadline_s, self._after_event)
+            loop = self._life.loop
+            timer = self._outcomes.arm_deadline(loop, req, deadline_s, self._after_event)
             future.add_done_callback(lambda _: timer.cancel())
         self._policy.on_arrival()
         self._after_event()
@@ -210,40 +200,9 @@ class Engine(EngineControls):
         sched = self._sched
         return self._stats.snapshot(pending=sched.num_pending, in_flight=sched.num_in_flight)
 
-    # ---- admission -------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._state is not State.RUNNING:
-            hint = (
-                " (use `async with Engine(config) as engine`)" if self._state is State.NEW else ""
-            )
-            raise EngineClosed(f"engine is {self._state.value}{hint}")
-        if self._broken is not None:
-            raise self._broken
-
-    async def _wait_for_room(self) -> None:
-        assert self._loop is not None
-        while self._sched.num_pending >= self.config.max_pending:
-            waiter: asyncio.Future[None] = self._loop.create_future()
-            self._room_waiters.append(waiter)
-            await waiter
-            self._check_open()
-
     def _after_event(self) -> None:
         """After every event: wake callers waiting for room; check invariants if asked to."""
-        if self._room_waiters:
-            room = self.config.max_pending - self._sched.num_pending
-            while room > 0 and self._room_waiters:
-                waiter = self._room_waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    room -= 1
-        if (
-            self._idle_waiter is not None
-            and self._sched.num_in_flight == 0
-            and not self._idle_waiter.done()
-        ):
-            self._idle_waiter.set_result(None)
+        self._life.wake()
         if Scheduler.checking:
             self._sched.check_invariants(self._pool.in_flight_batches())
 
@@ -255,7 +214,7 @@ class Engine(EngineControls):
     # ---- events ----------------------------------------------------------------------
 
     def _on_timer(self) -> None:
-        if self._state in SERVING:
+        if self._life.serving:
             self._policy.on_timer()
             self._after_event()
 
@@ -264,58 +223,63 @@ class Engine(EngineControls):
 
         With policy ``forward`` the group gets its next batch *before* the answer is even
         decoded: the answer is safe in the ring, and every microsecond spent before the ring
-        write is bubble. `_on_batch_done` then sees the new batch in flight and sends no other.
+        write is bubble. `_answered` then sees the new batch in flight and sends no other.
         """
-        if (
-            self._early
-            and len(slot.in_flight) == 1
-            and self._sched.num_pending
-            and slot.ready
-            and self._state in SERVING
-            and self._pool.answer_waiting(slot)
-        ):
+        serving = self._sched.num_pending and self._life.serving
+        if serving and self._early and self._pool.answer_waiting(slot):
             self._sched.release(slot.in_flight[0].chunks)  # continuations may ride along
             self._policy.on_answer_waiting(slot.index)
-        self._pool.read_answers(slot)
+        self._answered(slot, self._pool.read_answers(slot))
         self._after_event()
 
-    def _on_batch_done(
-        self, slot: WorkerSlot, batch: InFlightBatch, msg: BatchResult | BatchFailed
-    ) -> None:
-        free = self._sched.release(batch.chunks)
-        if free >= 0:  # a cancelled prompt's chunk: drop its KV cache with the next batch
-            self._pool.free_later(slot.index, [free])
+    def _answered(self, slot: WorkerSlot, done: list[InFlightBatch]) -> None:
+        """Batches the group completed: free what they end, send its next batch, resolve."""
+        if not done:
+            return
+        for batch in done:
+            free = self._sched.release(batch.chunks)
+            if free >= 0 and slot.ready:  # a cancelled prompt's chunk: drop its KV cache
+                self._pool.free_later(slot.index, [free])
         # Next batch first: every microsecond spent here before the ring write is bubble.
-        if self._sched.num_pending and self._state in SERVING:
+        if self._sched.num_pending and self._life.serving:
             self._policy.on_forward_done(slot.index)
-        if isinstance(msg, BatchFailed):
-            self._outcomes.fail_batch(slot.index, batch, msg)
-        else:
-            self._outcomes.resolve(slot.index, batch, msg)
+        for batch in done:
+            msg = batch.answer
+            if isinstance(msg, BatchFailed):
+                self._outcomes.fail_batch(slot.index, batch, msg)
+            elif msg is not None:
+                self._outcomes.resolve(slot.index, batch, msg)
 
-    def _on_death(self, slot: WorkerSlot, lost: deque[InFlightBatch], why: str) -> None:
-        """Retry (up to max_retries) or fail what the dead group held."""
-        may_retry = self._state in (State.RUNNING, State.DRAINING)
-        self._stats.retried += self._recovery.after_death(
-            slot.index, lost, why, may_retry=may_retry
-        )
-        if self._state in SERVING:
+    def _on_exit(self, slot: WorkerSlot, dead: WorkerHandle) -> None:
+        """A rank died: its group stops; what it answered counts, what it held is retried (up
+        to max_retries) or failed."""
+        may_retry = self._life.may_retry
+        for stopped in self._pool.stop_group(slot, dead):
+            self._answered(stopped.slot, stopped.done)
+            self._stats.retried += self._recovery.after_death(
+                stopped.slot.index, stopped.lost, stopped.why, may_retry=may_retry
+            )
+        if self._pool.all_gave_up:
+            self._on_gave_up(slot)
+            return
+        if self._life.serving:
             self._policy.on_capacity()
         self._after_event()
 
     def _on_restarted(self, slot: WorkerSlot) -> None:
         self._stats.worker_restarts += 1
-        if self._state in SERVING:
+        if self._life.serving:
             self._policy.on_capacity()
         self._after_event()
 
     def _on_gave_up(self, slot: WorkerSlot) -> None:
         if self._pool.all_gave_up:
-            self._broken = WorkerStartFailed(
+            broken = WorkerStartFailed(
                 f"every worker died more than max_restarts={self.config.max_restarts} times "
                 f"within {self.config.restart_window_s:.0f} s"
             )
-            self._fail_everything(self._broken)
+            self._life.broke(broken)
+            self._fail_everything(broken)
         self._after_event()
 
     def _fail_everything(self, error: AioprefillError) -> None:
@@ -324,7 +288,4 @@ class Engine(EngineControls):
         for batch in self._pool.in_flight_batches():
             requests.extend(c.request for c in batch.chunks)
         self._outcomes.fail(requests, error)
-        for waiter in self._room_waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._room_waiters.clear()
+        self._life.wake_all()

@@ -10,17 +10,27 @@ exchanges tokens between them (policy "forward": a step when the last one ended 
 pending; "ep-timer": the fixed-rate baseline).
 
 `check_parallel` is called once by `EngineConfig` and raises `InvalidConfig` naming the field;
-`ParallelLayout` answers "which ranks form a group" for the pool and the workers.
+`ParallelLayout` answers "which ranks form a group" for the pool, and gives each rank its
+`ParallelInfo`, the one record of its place that travels to the worker unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.models import PaddleModel
 
-__all__ = ["LOCKSTEP_POLICIES", "ParallelLayout", "check_parallel"]
+__all__ = [
+    "LOCKSTEP_POLICIES",
+    "ParallelInfo",
+    "ParallelLayout",
+    "ParallelMode",
+    "check_parallel",
+]
 
 # Expert-parallel policies. "ep-timer" reproduces the original design's fixed-rate pushes: a
 # step every 5 ms whether or not anything is pending (idle ranks get empty batches at ~200 Hz).
@@ -92,6 +102,27 @@ def check_parallel(
             )
 
 
+ParallelMode = Literal["none", "tp", "ep"]
+
+
+class ParallelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank's place in its collective group: made once per rank by the engine
+    (`ParallelLayout.info`, from `EngineConfig`), carried in `WorkerSpec.parallel` and read
+    unchanged by the worker, its collectives and its `Shard`.
+
+    `mode`: what the ranks share ("tp": every batch, each rank a slice of the model; "ep":
+    lockstep steps, each rank its own batch and its share of the experts; "none": a lone
+    worker). `rank` of `size` ranks in group `group`, meeting at `master` ("host:port", rank 0
+    listens; "" alone).
+    """
+
+    mode: ParallelMode = "none"
+    rank: int = 0
+    size: int = 1
+    group: int = 0
+    master: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelLayout:
     """The process arrangement: `num_replicas` groups of `tp_size` ranks, or one EP group."""
@@ -105,11 +136,18 @@ class ParallelLayout:
         return self.num_replicas * self.tp_size
 
     @property
-    def mode(self) -> str:
-        """ "ep", "tp" or "none": what the ranks of one collective group share."""
+    def mode(self) -> ParallelMode:
+        """What the ranks of one collective group share (see `ParallelInfo.mode`)."""
         if self.expert_parallel:
             return "ep"
         return "tp" if self.tp_size > 1 else "none"
+
+    def info(self, process: int, master: str) -> ParallelInfo:
+        """Process `process`'s place: the record its worker, its collectives and its shard
+        read, unchanged. A group of one is mode "none" whatever the layout."""
+        group, rank, size = self.place(process)
+        mode = self.mode if size > 1 else "none"
+        return ParallelInfo(mode=mode, rank=rank, size=size, group=group, master=master)
 
     def groups(self) -> list[list[int]]:
         """Global process indices of each collective group (replica-major numbering)."""

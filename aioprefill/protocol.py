@@ -13,13 +13,14 @@ released as soon as `decode()` returns.
 from __future__ import annotations
 
 import struct
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from aioprefill.errors import ProtocolError
 from aioprefill.models import PaddleModel, SimModel
+from aioprefill.parallel import ParallelInfo
 from aioprefill.shm.channel import ChannelSpec
 
 __all__ = [
@@ -58,10 +59,9 @@ OPT_RETURN_KV = 16  # write the prompt's K/V into the shared-memory segment name
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker process needs to start, sent msgspec-encoded at spawn time.
 
-    A worker is rank `rank` of a collective group of `group_size` ranks (group `group`):
-    `parallel` says what the ranks share ("tp": every batch; "ep": lockstep steps, each rank
-    its own batch; "": a lone worker), and they meet at `master` ("host:port", rank 0 listens).
-    A collective that waits longer than `collective_timeout_s` breaks the group.
+    `parallel` is the worker's place in its collective group (`ParallelInfo`: mode, rank,
+    size, group, master), made once by the engine and read unchanged by the worker. A
+    collective that waits longer than `collective_timeout_s` breaks the group.
     """
 
     worker: int
@@ -69,11 +69,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     to_worker: ChannelSpec
     from_worker: ChannelSpec
     engine_pid: int
-    rank: int = 0
-    group_size: int = 1
-    group: int = 0
-    parallel: Literal["", "tp", "ep"] = ""
-    master: str = ""
+    parallel: ParallelInfo = ParallelInfo()
     collective_timeout_s: float = 60.0
 
 

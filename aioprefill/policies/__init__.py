@@ -1,6 +1,6 @@
 """Dispatch policies: *when* a batch goes and *to which* worker group, one class per policy.
 
-The engine picks one from `EngineConfig.policy` at construction (`make_policy`), so no event
+The engine picks one from `EngineConfig.policy` at construction (`policy_class`), so no event
 branches on the policy's name. A policy answers three events, "a request arrived", "a group's
 forward is done" and "my timer fired", by choosing groups; the `Scheduler` forms each batch and
 the pool (`Groups.send`) writes it. A policy holds no request state, touches no ring, fd or

@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+from aioprefill import protocol
 from aioprefill.errors import ProtocolError
+from aioprefill.outputs import unspill
+from aioprefill.pool.process import WorkerHandle
 from aioprefill.pool.slot import InFlightBatch, WorkerSlot
-from aioprefill.protocol import BatchDone, BatchFailed, BatchResult
+from aioprefill.protocol import BatchDone, BatchFailed, BatchResult, Spilled
+from aioprefill.stats import StatsRecorder
 
 __all__ = [
     "PEER_GRACE_S",
     "PeerWatch",
+    "drain",
     "forward_done",
     "pop_done",
     "record_answer",
@@ -38,6 +44,56 @@ log = logging.getLogger("aioprefill")
 # rank will never join, and the group is stopped as if it died (instead of waiting for gloo's
 # fixed 30 s timeout or `collective_timeout_s`).
 PEER_GRACE_S = 1.0
+
+
+def drain(
+    slot: WorkerSlot, handle: WorkerHandle, stats: StatsRecorder
+) -> list[BatchResult | BatchDone | BatchFailed]:
+    """Every answer waiting in one rank's ring, decoded (a spilled result read back). A
+    malformed or unexpected message is counted and skipped; a corrupt ring gets the rank
+    killed and marked `corrupt`, never read again (its exit fd then reports the death)."""
+    outbox = handle.outbox
+    if outbox is None or handle.corrupt:
+        return []
+    outbox.wait_blocking(0)  # consume the eventfd count
+    answers: list[BatchResult | BatchDone | BatchFailed] = []
+    while True:
+        try:
+            view = outbox.recv_nowait()
+        except ProtocolError as exc:  # the ring itself is corrupt: so is the worker
+            stats.protocol_errors += 1
+            log.error("worker %d: its result ring is corrupt (%s); killing it", slot.index, exc)
+            handle.corrupt = True
+            slot.ready = False
+            handle.kill()
+            return answers
+        if view is None:
+            return answers
+        try:
+            msg = protocol.decode_from_worker(view)
+        except ProtocolError as exc:
+            stats.protocol_errors += 1
+            log.warning("worker %d sent a malformed message: %s", slot.index, exc)
+            continue
+        finally:
+            outbox.release()
+        if isinstance(msg, Spilled):  # a result too big for the ring
+            msg = _unspill(slot, msg, stats)
+        if isinstance(msg, (BatchResult, BatchDone, BatchFailed)):
+            answers.append(msg)
+        else:
+            stats.protocol_errors += 1
+            log.warning("worker %d sent an unexpected %s", slot.index, type(msg).__name__)
+
+
+def _unspill(slot: WorkerSlot, msg: Spilled, stats: StatsRecorder) -> BatchResult | BatchFailed:
+    try:
+        return unspill(msg)
+    except ProtocolError as exc:
+        stats.protocol_errors += 1
+        log.warning("worker %d: %s", slot.index, exc)
+        now = time.monotonic_ns()
+        return BatchFailed(msg.batch_id, now, now, "ProtocolError", str(exc))
 
 
 def record_answer(slot: WorkerSlot, rank: int, msg: BatchResult | BatchDone | BatchFailed) -> str:

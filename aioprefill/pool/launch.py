@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
-from typing import Literal
 
 from aioprefill.config import EngineConfig
 from aioprefill.parallel import ParallelLayout
@@ -31,16 +30,13 @@ async def launch_group(
     the error propagates."""
     size = layout.tp_size * (len(slots) if layout.expert_parallel else 1)
     master = f"127.0.0.1:{free_port()}" if size > 1 else ""
-    mode: Literal["", "tp", "ep"] = "" if size == 1 else layout.mode  # type: ignore[assignment]
     waits: list[asyncio.Future[Ready]] = []
 
     def start_ranks() -> None:
         for slot in slots:
             for r in range(layout.tp_size):
                 index = slot.index * layout.tp_size + r
-                group, rank, _ = layout.place(index)
-                place = {"rank": rank, "group_size": size, "group": group}
-                handle = WorkerHandle(index, config, parallel=mode, master=master, **place)
+                handle = WorkerHandle(index, config, layout.info(index, master))
                 slot.ranks.append(handle)
                 handle.start()
 

@@ -1,11 +1,13 @@
 """`WorkerPool`: the worker groups, their processes, fds, rings and forward timers.
 
-The only writer of `WorkerSlot`. It starts each group and waits for it to be ready, watches its
-forward-done eventfd and process sentinel, writes batches into its ring (`send`, one encode per
-batch), matches each answer to the batch at the head of the ring, arms the forward timers, and
-restarts a dead group after its `RestartBackoff`. It decides nothing about requests: it reports
-to the engine through `PoolEvents`. A pool position is a *group* of ranks (`WorkerSlot.ranks`,
-one process today); docs/architecture.md lists what tensor-parallel groups add, all of it here.
+It starts each group and waits for it to be ready, writes batches into its rings (`send`, one
+encode per batch), reads its ranks' answers and hands back the batches they complete
+(`read_answers`), arms the forward timers, stops a group when one of its ranks dies
+(`stop_group`) and restarts it after its `RestartBackoff`. It decides nothing about requests
+and calls nothing of the engine's while the engine calls it: the engine's handlers are only the
+targets of the fds and tasks the pool watches (`PoolEvents`). A pool position is a *group* of
+ranks (`WorkerSlot.ranks`: one process, a tensor-parallel replica, or one rank of an
+expert-parallel group); docs/architecture.md lists what rank groups add, all of it here.
 """
 
 from __future__ import annotations
@@ -17,25 +19,33 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from aioprefill import protocol
 from aioprefill.batching import Columns
 from aioprefill.config import EngineConfig
-from aioprefill.errors import ProtocolError
-from aioprefill.outputs import unspill
 from aioprefill.parallel import ParallelLayout
-from aioprefill.pool.answers import PeerWatch, forward_done, pop_done, record_answer
+from aioprefill.pool.answers import PeerWatch, drain, forward_done, pop_done, record_answer
 from aioprefill.pool.backoff import RestartBackoff
 from aioprefill.pool.launch import launch_group
 from aioprefill.pool.process import WorkerHandle
 from aioprefill.pool.restarts import Restarts
 from aioprefill.pool.slot import InFlightBatch, PoolEvents, WorkerSlot
-from aioprefill.protocol import BatchDone, BatchFailed, BatchResult, Spilled
+from aioprefill.protocol import BatchDone, BatchFailed, BatchResult
 from aioprefill.stats import StatsRecorder
 
-__all__ = ["WorkerPool"]
+__all__ = ["Stopped", "WorkerPool"]
 
 log = logging.getLogger("aioprefill")
+
+
+class Stopped(NamedTuple):
+    """One slot of a stopped group: answered before it stopped, lost with it, and why."""
+
+    slot: WorkerSlot
+    done: list[InFlightBatch]
+    lost: deque[InFlightBatch]
+    why: str
 
 
 async def _cancel_and_wait(tasks: list[asyncio.Future[None]]) -> None:
@@ -110,7 +120,7 @@ class WorkerPool:
             for handle in slot.ranks:
                 assert handle.outbox is not None
                 loop.add_reader(handle.outbox.fds()[0], self._events.on_forward_done, slot)
-                loop.add_reader(handle.exit_fd, self._on_exit, slot, handle)
+                loop.add_reader(handle.exit_fd, self._events.on_exit, slot, handle)
             slot.acked = [0] * len(slot.ranks)
             slot.ready = True
             slot.ring_full = False
@@ -225,60 +235,26 @@ class WorkerPool:
     # ---- answers --------------------------------------------------------------------------
 
     def answer_waiting(self, slot: WorkerSlot) -> bool:
-        """Whether the group's forward is over: every rank answered its oldest batch or has
-        the answer in its ring (not a stale wake-up)."""
-        return forward_done(slot)
+        """Whether the group's one batch in flight is answered in every rank's ring (peeked,
+        not consumed; not a stale wake-up): its forward is over."""
+        return slot.ready and len(slot.in_flight) == 1 and forward_done(slot)
 
-    def read_answers(self, slot: WorkerSlot) -> None:
-        """Read every message the group's ranks wrote, then act on each."""
-        ranks = slot.ranks
-        for rank, handle in enumerate(ranks):
-            outbox = handle.outbox
-            if outbox is None:
-                continue
-            outbox.wait_blocking(0)  # consume the eventfd count
-            while slot.ranks is ranks:
-                try:
-                    view = outbox.recv_nowait()
-                except ProtocolError as exc:  # the ring itself is corrupt: so is the worker
-                    self._stats.protocol_errors += 1
-                    log.error(
-                        "worker %d: its result ring is corrupt (%s); killing it", slot.index, exc
-                    )
-                    handle.kill()
-                    self._on_death(slot, handle, "was killed: its result ring is corrupt")
-                    return
-                if view is None:
-                    break
-                try:
-                    msg = protocol.decode_from_worker(view)
-                except ProtocolError as exc:
-                    self._stats.protocol_errors += 1
-                    log.warning("worker %d sent a malformed message: %s", slot.index, exc)
-                    continue
-                finally:
-                    outbox.release()
-                if isinstance(msg, Spilled):  # a result too big for the ring
-                    msg = self._unspill(slot, msg)
-                if isinstance(msg, (BatchResult, BatchDone, BatchFailed)):
-                    self._on_answer(slot, rank, msg)
-                else:
-                    self._stats.protocol_errors += 1
-                    log.warning("worker %d sent an unexpected %s", slot.index, type(msg).__name__)
-            if slot.ranks is not ranks:
-                return
-
-    def _unspill(self, slot: WorkerSlot, msg: Spilled) -> BatchResult | BatchFailed:
-        try:
-            return unspill(msg)
-        except ProtocolError as exc:
-            self._stats.protocol_errors += 1
-            log.warning("worker %d: %s", slot.index, exc)
-            now = time.monotonic_ns()
-            return BatchFailed(msg.batch_id, now, now, "ProtocolError", str(exc))
+    def read_answers(self, slot: WorkerSlot) -> list[InFlightBatch]:
+        """Read every answer the group's ranks wrote; return the batches they completed, in
+        order, each with its `answer` (already removed from the slot, its timer re-armed).
+        A rank whose ring is corrupt is killed: its exit fd then reports the death."""
+        done: list[InFlightBatch] = []
+        for rank, handle in enumerate(slot.ranks):
+            for msg in drain(slot, handle, self._stats):
+                self._on_answer(slot, rank, msg, done)
+        return done
 
     def _on_answer(
-        self, slot: WorkerSlot, rank: int, msg: BatchResult | BatchDone | BatchFailed
+        self,
+        slot: WorkerSlot,
+        rank: int,
+        msg: BatchResult | BatchDone | BatchFailed,
+        done: list[InFlightBatch],
     ) -> None:
         refused = record_answer(slot, rank, msg)
         if refused:
@@ -286,10 +262,10 @@ class WorkerPool:
             log.warning("worker %d %s", slot.index, refused)
             return
         if isinstance(msg, BatchFailed) and self._loop is not None:
-            # before completing: that may send the next step
             self._peers.watch(self._loop, slot, self._set_of(slot), msg)
         while (batch := pop_done(slot)) is not None:
             self._complete(slot, batch)
+            done.append(batch)
 
     def _complete(self, slot: WorkerSlot, batch: InFlightBatch) -> None:
         msg = batch.answer
@@ -302,7 +278,6 @@ class WorkerPool:
         slot.last_forward_end_ns = msg.forward_end_ns
         self._stats.record_forward(msg.forward_start_ns, msg.forward_end_ns)
         slot.ring_full = False
-        self._events.on_batch_done(slot, batch, msg)
 
     # ---- timers, deaths, restarts ---------------------------------------------------------
 
@@ -324,43 +299,35 @@ class WorkerPool:
             for handle in slot.ranks:
                 handle.kill()  # its sentinel fires next: handled as a death
 
-    def _on_exit(self, slot: WorkerSlot, dead: WorkerHandle) -> None:
-        """Rank `dead`'s exit fd fired: it exited and can be reaped (its exit code is there)."""
-        ranks = slot.ranks
-        if not ranks:
-            return
-        slot.ready = False  # its last answers are read below, but it gets no new batch
-        self.read_answers(slot)  # answers it wrote before dying still count
-        if slot.ranks is ranks:  # (unless reading them found its ring corrupt: handled there)
-            code = dead.exit_code()  # never waits: the pidfd fires once it can be reaped
-            self._on_death(slot, dead, f"died (exit code {code})")
-
     def _set_of(self, slot: WorkerSlot) -> list[WorkerSlot]:
         return self.sets[0] if self.layout.expert_parallel else [slot]
 
-    def _on_death(self, slot: WorkerSlot, dead: WorkerHandle, what: str) -> None:
-        """Rank `dead` died (`what` says how): any rank's death is its group's. Every rank of
-        the group (of every slot, for an expert-parallel group) is stopped, their batches in
-        flight handed to the engine, and the group restarted as a whole after the backoff.
-        Nothing here waits for a process: killed peers are reaped when their exit fd fires."""
+    def stop_group(self, slot: WorkerSlot, dead: WorkerHandle) -> list[Stopped]:
+        """Rank `dead` of `slot` exited (its exit fd fired: its exit code is there). Any rank's
+        death is its group's: every rank of the group (of every slot, for an expert-parallel
+        group) is stopped, and for each slot the batches its ranks completed before (to
+        resolve), the batches lost with it (to retry) and why. The group restarts as a whole
+        after its backoff. Nothing here waits for a process: killed ranks are reaped when their
+        exit fd fires. [] when the group was stopped already."""
+        if dead not in slot.ranks:
+            return []
         rank = f" rank {slot.ranks.index(dead)}" if len(slot.ranks) > 1 else ""
         where = f"worker {slot.index}{rank}"
-        log.error("%s (pid %d) %s", where, dead.pid, what)
-        why = f"{where} {what}"
+        code = dead.exit_code()  # never waits: the exit fd fires once it can be reaped
+        log.error("%s (pid %d) died (exit code %s)", where, dead.pid, code)
+        why = f"{where} died (exit code {code})"
         group = self._set_of(slot)
-        for other in group:
-            if other is not slot and other.ready:
-                other.ready = False
-                self.read_answers(other)  # what its peers finished before the group broke
+        stopped = []
         for s in group:
-            self._discard(s, kill=True)  # (its batches stay listed until reported below)
-        for s in group:
+            s.ready = False  # its last answers count, but it gets no new batch
+            done = self.read_answers(s)
+            self._discard(s, kill=True)
             s.ring_full = False
             lost, s.in_flight = s.in_flight, deque()
             s.free_ids = []
-            self._events.on_death(
-                s, lost, why if s is slot else f"{why}: its expert-parallel group broke"
-            )
+            broke = why if s is slot else f"{why}: its expert-parallel group broke"
+            stopped.append(Stopped(s, done, lost, broke))
         # A group that dies while the others still start is restarted too (once running).
         if self.restarts.allowed:
             self.restarts.schedule(group)
+        return stopped

@@ -17,12 +17,13 @@ import signal
 import time
 from multiprocessing import reduction
 from multiprocessing.process import BaseProcess
-from typing import Any, Literal
+from typing import Any
 
 from aioprefill import protocol
 from aioprefill.config import EngineConfig
 from aioprefill.errors import ProtocolError, WorkerStartFailed
 from aioprefill.models import PaddleModel
+from aioprefill.parallel import ParallelInfo
 from aioprefill.pool.main_guard import missing_guard_hint, refuse_while_bootstrapping
 from aioprefill.protocol import Ready, StartFailed, WorkerSpec
 from aioprefill.shm.channel import Channel
@@ -70,18 +71,14 @@ class WorkerHandle:
     inbox: Channel | None = None  # engine -> worker
     outbox: Channel | None = None  # worker -> engine
     ready: Ready | None = None
+    corrupt = False  # its result ring was found corrupt: never read again
     _exit_fd = -1  # pidfd: readable once the process exited *and* can be reaped
 
     def __init__(
         self,
         index: int,
         config: EngineConfig,
-        *,
-        rank: int = 0,
-        group_size: int = 1,
-        group: int = 0,
-        parallel: Literal["", "tp", "ep"] = "",
-        master: str = "",
+        parallel: ParallelInfo | None = None,
     ) -> None:
         """Worker process `index` (its place among all ranks); as a rank of a group of
         `group_size`, it meets its peers at `master` ("host:port")."""
@@ -99,11 +96,7 @@ class WorkerHandle:
             to_worker=self.inbox.spec,
             from_worker=self.outbox.spec,
             engine_pid=os.getpid(),
-            rank=rank,
-            group_size=group_size,
-            group=group,
-            parallel=parallel,
-            master=master,
+            parallel=parallel or ParallelInfo(),
         )
         self._method = start_method_for(config)
 

@@ -34,8 +34,9 @@ class Restarts:
         self._events = events
         self.tasks: set[asyncio.Task[None]] = set()
 
-    def schedule(self, group: list[WorkerSlot]) -> None:
-        """`group` just died: restart it after its backoff, or give it up."""
+    def schedule(self, group: list[WorkerSlot]) -> bool:
+        """`group` just died: restart it after its backoff (True), or give it up (False; the
+        caller, who knows of the death, acts on that: `on_gave_up` is for failed restarts)."""
         backoff = group[0].backoff
         delay = backoff.note_death(time.monotonic())
         if delay is None:
@@ -45,12 +46,11 @@ class Restarts:
                 len(backoff.deaths),
                 backoff.window_s,
             )
-            for s in group:
-                self._events.on_gave_up(s)
-            return
+            return False
         task = asyncio.get_running_loop().create_task(self._restart(group, delay))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return True
 
     async def _restart(self, group: list[WorkerSlot], delay: float) -> None:
         await asyncio.sleep(delay)  # backoff between restarts, off the hot path
@@ -60,7 +60,9 @@ class Restarts:
             await self._start(group)
         except Exception as exc:  # any failure (no fork, no shm, bad Ready) counts as a death
             log.error("worker %s could not be restarted: %r", _names(group), exc)
-            self.schedule(group)
+            if not self.schedule(group):
+                for s in group:
+                    self._events.on_gave_up(s)
             return
         for s in group:
             self._events.on_restarted(s)

@@ -1,11 +1,13 @@
-"""`WorkerSlot`: the pool's record of one worker group position, and `InFlightBatch`.
+"""`WorkerSlot`: the pool's record of one worker group position; `PoolEvents`, the engine's
+handlers for what the pool watches.
 
 A slot outlives the processes that fill it: when its group dies, the engine recovers the
 batches in flight on it and the pool starts new processes in the same slot. A slot is a
-*group of ranks* (one rank today; tensor-parallel ranks later): one batch goes to every rank,
-and it is done when every rank answered it. Only the `WorkerPool` writes a slot's fields;
-like all engine state it is touched only from the event loop's thread. `PoolEvents` is what
-the pool reports to its owner, the engine.
+*group of ranks* (one process, a tensor-parallel replica, or one rank of an expert-parallel
+group): one batch goes to every rank of a replica, and it is done when every rank answered it.
+Only the `aioprefill.pool` package writes a slot's fields: `WorkerPool`, `launch_group` (the
+ranks) and `answers` (the acknowledgements; a corrupt ring's `ready`). Like all engine state it
+is touched only from the event loop's thread; the policies and `health()` only read it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from dataclasses import dataclass, field
 from aioprefill.core import InFlightBatch
 from aioprefill.pool.backoff import RestartBackoff
 from aioprefill.pool.process import WorkerHandle
-from aioprefill.protocol import BatchFailed, BatchResult
 
 __all__ = ["InFlightBatch", "PoolEvents", "WorkerSlot"]
 
@@ -54,13 +55,12 @@ class WorkerSlot:
 
 @dataclass(slots=True, frozen=True)
 class PoolEvents:
-    """What the pool reports to its owner (the engine), all on the event loop."""
+    """The engine's handlers for what the pool watches, all called by the event loop (never by
+    the pool from inside a call the engine made)."""
 
-    # The group's forward-done eventfd fired (the owner then calls `read_answers`).
+    # The group's forward-done eventfd fired (the engine then calls `read_answers`).
     on_forward_done: Callable[[WorkerSlot], None]
-    # The group answered the batch at the head of its ring (already removed from it).
-    on_batch_done: Callable[[WorkerSlot, InFlightBatch, BatchResult | BatchFailed], None]
-    # The group died with these batches in flight; its restart is scheduled right after.
-    on_death: Callable[[WorkerSlot, deque[InFlightBatch], str], None]
+    # A rank's exit fd fired: it exited (the engine then calls `stop_group`).
+    on_exit: Callable[[WorkerSlot, WorkerHandle], None]
     on_restarted: Callable[[WorkerSlot], None]  # a dead group is ready again
-    on_gave_up: Callable[[WorkerSlot], None]  # the group died too often and stays down
+    on_gave_up: Callable[[WorkerSlot], None]  # a restart failed once too often: it stays down

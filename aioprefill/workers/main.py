@@ -46,7 +46,8 @@ def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
     connected), so Ready means the whole group can run."""
     from aioprefill.config import PADDLE_EXTRA_HINT, PaddleModel
 
-    grouped = spec.group_size > 1
+    place = spec.parallel
+    grouped = place.size > 1
     if isinstance(spec.model, PaddleModel):
         try:
             from aioprefill.workers.paddle_runner import PaddleRunner
@@ -57,15 +58,15 @@ def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
             return PaddleRunner(spec.model, spec.worker)
         from aioprefill.workers.collectives import PaddleGroup
 
-        group = PaddleGroup(spec.rank, spec.group_size, spec.master, spec.collective_timeout_s)
-        return PaddleRunner(spec.model, spec.worker, group=group, mode=spec.parallel)
+        group = PaddleGroup(place.rank, place.size, place.master, spec.collective_timeout_s)
+        return PaddleRunner(spec.model, spec.worker, group=group, mode=place.mode)
     from aioprefill.workers.barrier import SocketBarrier
     from aioprefill.workers.sim import SimRunner
 
     if not grouped:
         return SimRunner(spec.model)
-    barrier = SocketBarrier(spec.rank, spec.group_size, spec.master, spec.collective_timeout_s)
-    return SimRunner(spec.model, barrier, writes_kv=spec.parallel != "tp" or spec.rank == 0)
+    barrier = SocketBarrier(place.rank, place.size, place.master, spec.collective_timeout_s)
+    return SimRunner(spec.model, barrier, writes_kv=place.mode != "tp" or place.rank == 0)
 
 
 def _set_process_name(name: str) -> None:
@@ -103,7 +104,7 @@ def worker_main(spec_bytes: bytes, to_fds: tuple[int, int], from_fds: tuple[int,
     except CollectiveError as exc:
         # The group is broken (a peer died or hung): exiting closes our sockets, which breaks
         # any peer still waiting at once, and the engine restarts the whole group.
-        print(f"aioprefill worker {spec.worker} rank {spec.rank}: {exc}", file=sys.stderr)
+        print(f"aioprefill worker {spec.worker} rank {spec.parallel.rank}: {exc}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(EXIT_GROUP_BROKEN)
     finally:
@@ -146,7 +147,7 @@ def _serve_batches(
     out_buffer = bytearray(1 << 16)
     spill_above = spill.threshold(outbox.max_frame)
     # Tensor-parallel ranks > 0 computed the same results as rank 0: they only acknowledge.
-    acknowledge_only = spec.parallel == "tp" and spec.rank > 0
+    acknowledge_only = spec.parallel.mode == "tp" and spec.parallel.rank > 0
     try:
         while True:
             for fd, _ in poller.poll():

@@ -47,6 +47,7 @@ import paddle.nn.functional as F  # noqa: E402
 from aioprefill.errors import InvalidConfig  # noqa: E402
 from aioprefill.kv import kv_layout  # noqa: E402
 from aioprefill.models import PaddleModel  # noqa: E402
+from aioprefill.parallel import ParallelMode  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
@@ -90,7 +91,7 @@ class PaddleRunner:
         spec: PaddleModel,
         worker_index: int = 0,
         group: PaddleGroup | None = None,
-        mode: str = "",
+        mode: ParallelMode = "none",
     ) -> None:
         self.spec = spec
         # parallel: this rank's share of the model (all of it alone), see paddle_shard

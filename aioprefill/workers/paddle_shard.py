@@ -35,6 +35,7 @@ import numpy as np
 import paddle
 
 from aioprefill.models import PaddleModel
+from aioprefill.parallel import ParallelMode
 from aioprefill.workers.collectives import PaddleGroup
 from aioprefill.workers.kv_writer import ALONE, KVShare
 from aioprefill.workers.runner import ForwardBatch
@@ -63,9 +64,11 @@ def _part(a: np.ndarray, axis: int, rank: int, size: int) -> np.ndarray:
 
 
 class Shard:
-    """Rank `rank` of a group of `size` running `spec` in `mode` ("tp" or "ep"; "": alone)."""
+    """Rank `rank` of a group of `size` running `spec` in `mode` (`ParallelInfo.mode`)."""
 
-    def __init__(self, spec: PaddleModel, group: PaddleGroup | None = None, mode: str = "") -> None:
+    def __init__(
+        self, spec: PaddleModel, group: PaddleGroup | None = None, mode: ParallelMode = "none"
+    ) -> None:
         self.spec = spec
         self.group = group
         self.tp_size = group.size if group is not None and mode == "tp" else 1

@@ -10,12 +10,12 @@ import os
 import signal
 from collections.abc import AsyncIterator
 
-import msgspec
 import numpy as np
 import pytest
 
 from aioprefill import protocol
 from aioprefill.config import EngineConfig, ModelSpec, SimModel
+from aioprefill.parallel import ParallelInfo, ParallelMode
 from aioprefill.pool.process import WorkerHandle
 from aioprefill.protocol import BatchDone, BatchResult
 from aioprefill.workers.group import EXIT_GROUP_BROKEN, free_port
@@ -27,16 +27,15 @@ pytestmark = pytest.mark.asyncio
 
 @contextlib.asynccontextmanager
 async def group(
-    model: ModelSpec, parallel: str, size: int = 2
+    model: ModelSpec, parallel: ParallelMode, size: int = 2
 ) -> AsyncIterator[list[WorkerHandle]]:
     config = EngineConfig(model=model, num_workers=size)
     master = f"127.0.0.1:{free_port()}"
     handles = []
     try:
         for rank in range(size):
-            h = WorkerHandle(rank, config)
-            place = {"rank": rank, "group_size": size, "parallel": parallel, "master": master}
-            h.spec = msgspec.structs.replace(h.spec, **place)
+            place = ParallelInfo(mode=parallel, rank=rank, size=size, master=master)
+            h = WorkerHandle(rank, config, place)
             handles.append(h)
             h.start()
         await asyncio.gather(*(h.wait_ready(120.0) for h in handles))
