@@ -123,9 +123,7 @@ class Scheduler:
             return False
         batch = sink.send(group, Columns.of_chunks(chunks), backlogged=backlogged)
         if batch is None:
-            for c in reversed(chunks):  # put back what take_batch removed
-                if c.is_last:
-                    self.pending.appendleft(c.request)
+            self._put_back(chunks)
             return False
         batch.chunks = chunks
         self._mark_sent(chunks, group)
@@ -143,14 +141,19 @@ class Scheduler:
             if batch is None:
                 # A rank's ring had no room: not in lockstep (one step in flight at most), so
                 # the ranks are broken; these chunks wait for the group's restart.
-                for later in reversed(steps[rank:]):
-                    for c in reversed(later):
-                        if c.is_last:
-                            self.pending.appendleft(c.request)
+                self._put_back([c for later in steps[rank:] for c in later])
                 return False
             batch.chunks = chunks
             self._mark_sent(chunks, rank)
         return True
+
+    def _put_back(self, chunks: list[Chunk]) -> None:
+        """Undo what `take_batch` / `split_step` removed from the queue for a batch that was
+        not sent: requests whose last chunk it held go back to the head, in order (the others
+        never left)."""
+        for c in reversed(chunks):
+            if c.is_last:
+                self.pending.appendleft(c.request)
 
     def _commit_staged(self, staged: StagedBatch) -> list[Chunk]:
         num_tokens = staged.num_tokens

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from aioprefill import protocol
 from aioprefill.config import EngineConfig, PaddleModel, SimModel
 from aioprefill.errors import InvalidConfig
-from aioprefill.parallel import ParallelLayout
+from aioprefill.parallel import ParallelInfo, ParallelLayout
+from aioprefill.pool.process import WorkerHandle
 
 MOE = PaddleModel(num_experts=8, num_experts_per_tok=2)
 
@@ -85,3 +87,22 @@ def test_layouts() -> None:
     assert ep.place(2) == (0, 2, 3)
     solo = ParallelLayout(num_replicas=2)
     assert (solo.mode, solo.groups(), solo.place(1)) == ("none", [[0], [1]], (1, 0, 1))
+
+
+def test_each_rank_gets_one_parallel_info_that_reaches_the_worker_unchanged() -> None:
+    """ParallelInfo: made once per rank from the layout, the same fields (and one mode
+    vocabulary) in the WorkerSpec the worker decodes."""
+    tp = ParallelLayout(num_replicas=2, tp_size=2)
+    assert tp.info(3, "127.0.0.1:1") == ParallelInfo(
+        mode="tp", rank=1, size=2, group=1, master="127.0.0.1:1"
+    )
+    ep = ParallelLayout(num_replicas=3, expert_parallel=True)
+    assert ep.info(2, "m") == ParallelInfo(mode="ep", rank=2, size=3, group=0, master="m")
+    assert ParallelLayout(num_replicas=2).info(1, "") == ParallelInfo(group=1)  # alone: "none"
+    config = EngineConfig(model=SimModel(), num_workers=2, tp_size=2)
+    handle = WorkerHandle(3, config, tp.info(3, "127.0.0.1:1"))
+    try:
+        spec = protocol.decode_worker_spec(protocol.encode(handle.spec))  # what the worker reads
+    finally:
+        handle.close()
+    assert spec.parallel == tp.info(3, "127.0.0.1:1")

@@ -32,24 +32,20 @@ async def launch_group(
     master = f"127.0.0.1:{free_port()}" if size > 1 else ""
     waits: list[asyncio.Future[Ready]] = []
 
-    def start_ranks() -> None:
+    try:
+        # On the loop, not in a thread: a worker's PR_SET_PDEATHSIG follows the *thread* that
+        # started it, so a started worker must be the loop thread's child. (Pre-faulting the
+        # rings and spawning cost ~10-30 ms per rank, once per start or restart.)
         for slot in slots:
             for r in range(layout.tp_size):
                 index = slot.index * layout.tp_size + r
                 handle = WorkerHandle(index, config, layout.info(index, master))
                 slot.ranks.append(handle)
                 handle.start()
-
-    # Off the loop: pre-faulting the rings and spawning a process take ~10-30 ms per rank,
-    # and a restart must not stall the batches of the other groups for that long.
-    starting = asyncio.get_running_loop().run_in_executor(None, start_ranks)
-    try:
-        await asyncio.shield(starting)
         timeout = config.worker_start_timeout_s
         waits = [asyncio.ensure_future(h.wait_ready(timeout)) for s in slots for h in s.ranks]
         await asyncio.gather(*waits)
     except BaseException:
-        await _finish(asyncio.wait([starting]))  # the thread may still be starting ranks
         for w in waits:
             w.cancel()
         await _finish(asyncio.gather(*waits, return_exceptions=True))
