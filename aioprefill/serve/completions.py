@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from aioprefill.errors import InvalidRequest
 from aioprefill.result import PrefillResult
 from aioprefill.serve.prompts import Prompt, TokenizerLike, token_text
@@ -89,7 +91,7 @@ def completion_body(
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
         ),
-        kv_transfer_params=kv_transfer_params,
+        kv_transfer_params=msgspec.UNSET if kv_transfer_params is None else kv_transfer_params,
     )
 
 

@@ -173,7 +173,7 @@ class Service:
             raise InvalidRequest("prompt is required")
         tok = self._need_tokenizer()
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        strs = tok.token_strings(ids) if req.return_token_strs else None
+        strs = tok.token_strings(ids) if req.return_token_strs else msgspec.UNSET
         return self._encode(
             TokenizeResponse(
                 count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs

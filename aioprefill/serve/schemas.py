@@ -109,7 +109,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     stop_reason: None = None
 
 
-class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Completion(msgspec.Struct, kw_only=True):
     id: str
     created: int
     model: str
@@ -117,7 +117,7 @@ class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
     usage: Usage
     object: str = "text_completion"
     # Only with `kv_transfer_params` in the request and a transfer engine configured.
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Embedding(msgspec.Struct, kw_only=True):
@@ -140,11 +140,11 @@ class EmbeddingResponse(msgspec.Struct, kw_only=True):
     object: str = "list"
 
 
-class TokenizeResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+class TokenizeResponse(msgspec.Struct, kw_only=True):
     count: int
     max_model_len: int
     tokens: list[int]
-    token_strs: list[str] | None = None
+    token_strs: list[str] | msgspec.UnsetType = msgspec.UNSET
 
 
 class DetokenizeResponse(msgspec.Struct, kw_only=True):
