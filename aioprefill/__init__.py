@@ -23,6 +23,7 @@ from aioprefill.health import EngineHealth
 from aioprefill.loop import Engine
 from aioprefill.result import PrefillResult
 from aioprefill.stats import EngineStats
+from aioprefill.tokenizer import Tokenizer
 
 __all__ = [
     "AioprefillError",
@@ -41,6 +42,7 @@ __all__ = [
     "PrefillResult",
     "ProtocolError",
     "SimModel",
+    "Tokenizer",
     "WorkerCrashed",
     "WorkerStartFailed",
     "WrongLoop",

@@ -22,6 +22,7 @@ def test_public_names_are_pinned():
             "PrefillResult",
             "ProtocolError",
             "SimModel",
+            "Tokenizer",
             "WorkerCrashed",
             "WorkerStartFailed",
             "WrongLoop",

@@ -1,0 +1,233 @@
+"""`Tokenizer`: text to token ids and back, the ids transformers' tokenizer gives.
+
+Built on Hugging Face `tokenizers` (the Rust library behind transformers' fast tokenizers), an
+optional extra (`pip install 'aioprefill[tokenizer]'`). Two sources:
+
+- a checkpoint directory: `tokenizer.json`, plus `tokenizer_config.json` for the BOS/EOS tokens,
+  whether a BOS/EOS is added (Llama-style classes, as transformers' `LlamaTokenizerFast` does) and
+  `clean_up_tokenization_spaces` for `decode`;
+- a `.gguf` file's tokenizer metadata (`aioprefill.tokenizer_gguf`).
+
+Long texts are tokenized off the event loop (`encode_async`): the library releases the GIL while
+it encodes a batch, so the loop keeps serving (benchmarks/bench_tokenizer.py measures its lag).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aioprefill.errors import InvalidConfig, InvalidRequestType
+
+if TYPE_CHECKING:
+    import tokenizers
+
+__all__ = ["OFF_LOOP_CHARS", "TOKENIZER_EXTRA_HINT", "Tokenizer", "import_optional"]
+
+TOKENIZER_EXTRA_HINT = "pip install 'aioprefill[tokenizer]'"
+# Texts longer than this (in characters) are encoded in a thread by `encode_async`: ~16 KiB of
+# text takes about a millisecond to encode, so shorter ones cost the loop less than the hand-off.
+OFF_LOOP_CHARS = 16 * 1024
+# transformers' classes whose __init__ rebuilds the post-processor from add_bos_token (default
+# True) and add_eos_token (default False), overriding the one in tokenizer.json.
+_BOS_FLAG_CLASSES = frozenset(
+    {"LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer", "CohereTokenizer"}
+)
+
+
+def import_optional(module: str, extra: str) -> Any:
+    """Import an optional dependency, or raise `InvalidConfig` naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise InvalidConfig(
+            f"Tokenizer needs the {module!r} package, not installed here: "
+            f"pip install 'aioprefill[{extra}]'"
+        ) from exc
+
+
+class Tokenizer:
+    """Text to token ids and back (`Tokenizer.from_pretrained(dir_or_gguf)`).
+
+    `vocab_size` counts every id the tokenizer can produce, added tokens included (transformers'
+    `len(tokenizer)`). `name_or_path` is the absolute local path it was loaded from.
+    """
+
+    __slots__ = ("_backend", "_clean_up", "bos_token_id", "eos_token_id", "name_or_path")
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        name_or_path: str,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        clean_up_tokenization_spaces: bool = False,
+    ) -> None:
+        self._backend = backend
+        self.name_or_path = name_or_path
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self._clean_up = clean_up_tokenization_spaces
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load from a checkpoint directory (its `tokenizer.json`) or a `.gguf` file.
+
+        Raises `InvalidConfig` for a missing file, an unsupported tokenizer kind (named), or a
+        missing optional dependency (naming the extra).
+        """
+        p = Path(path).expanduser().resolve()
+        if p.is_file() and p.suffix == ".gguf":
+            from aioprefill.tokenizer_gguf import gguf_tokenizer
+
+            backend, info = gguf_tokenizer(p)
+            return cls(backend, name_or_path=str(p), **info)
+        if p.is_file() and p.name == "tokenizer.json":
+            p = p.parent
+        if not p.is_dir():
+            raise InvalidConfig(
+                f"Tokenizer.from_pretrained: {path!s} is neither a directory nor a .gguf file"
+            )
+        return cls._from_dir(p)
+
+    @classmethod
+    def _from_dir(cls, d: Path) -> Tokenizer:
+        tk = import_optional("tokenizers", "tokenizer")
+        file = d / "tokenizer.json"
+        if not file.is_file():
+            why = (
+                " (only a sentencepiece tokenizer.model: not supported)"
+                * (d / "tokenizer.model").is_file()
+            )
+            raise InvalidConfig(f"Tokenizer.from_pretrained: {d} has no tokenizer.json{why}")
+        backend = tk.Tokenizer.from_file(str(file))
+        config = _read_json(d / "tokenizer_config.json")
+        special = _read_json(d / "special_tokens_map.json")
+        bos = _token_text(config.get("bos_token", special.get("bos_token")))
+        eos = _token_text(config.get("eos_token", special.get("eos_token")))
+        bos_id = backend.token_to_id(bos) if bos is not None else None
+        eos_id = backend.token_to_id(eos) if eos is not None else None
+        klass = str(config.get("tokenizer_class") or "").removesuffix("Fast")
+        if klass in _BOS_FLAG_CLASSES:
+            add_bos = bool(config.get("add_bos_token", True))
+            add_eos = bool(config.get("add_eos_token", False))
+            backend.post_processor = bos_eos_template(
+                tk, (bos, bos_id, add_bos), (eos, eos_id, add_eos)
+            )
+        return cls(
+            backend,
+            name_or_path=str(d),
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+        )
+
+    # ---- encoding ----------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, special tokens (e.g. a BOS) added as the tokenizer's config
+        says unless `add_special_tokens=False`."""
+        _check_text(text)
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text (the library spreads them over its own threads)."""
+        for text in texts:
+            _check_text(text)
+        encodings = self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [list(e.ids) for e in encodings]
+
+    def encode_with_offsets(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and each token's (start, end) character offsets into `text`; an added
+        special token (BOS) spans (0, 0)."""
+        _check_text(text)
+        enc = self._backend.encode(text, add_special_tokens=add_special_tokens)
+        return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, in a thread when `text` is longer than `OFF_LOOP_CHARS` so the event loop
+        never stalls on a long text. `encode_batch` is the call that releases the GIL."""
+        _check_text(text)
+        if len(text) <= OFF_LOOP_CHARS:
+            return self.encode(text, add_special_tokens)
+        batch = await asyncio.to_thread(self.encode_batch, [text], add_special_tokens)
+        return batch[0]
+
+    # ---- decoding ----------------------------------------------------------------------
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids` (transformers' `decode` with the tokenizer's own settings)."""
+        text = str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        return _clean_up_spaces(text) if self._clean_up else text
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each token's own decoded text, as OpenAI's logprobs `tokens` show it (" Paris"); a
+        token holding part of a UTF-8 character decodes to U+FFFD."""
+        return [str(s) for s in self._backend.decode_batch([[int(i)] for i in ids], False)]
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size})"
+
+
+def bos_eos_template(
+    tk: Any, bos: tuple[str | None, int | None, bool], eos: tuple[str | None, int | None, bool]
+) -> Any:
+    """The post-processor transformers' Llama-style tokenizers build: `[BOS] $A [EOS]` with
+    each of BOS/EOS present when its flag is set."""
+    single, pair, special = "$A:0", "$B:1", []
+    for (text, token_id, on), at_start in ((bos, True), (eos, False)):
+        if not on:
+            continue
+        if text is None or token_id is None:
+            which = "bos" if at_start else "eos"
+            raise InvalidConfig(f"add_{which}_token is set but the tokenizer has no {which} token")
+        special.append((text, token_id))
+        if at_start:
+            single, pair = f"{text}:0 {single}", f"{text}:1 {pair}"
+        else:
+            single, pair = f"{single} {text}:0", f"{pair} {text}:1"
+    return tk.processors.TemplateProcessing(
+        single=single, pair=f"{single} {pair}", special_tokens=special
+    )
+
+
+def _check_text(text: object) -> None:
+    if not isinstance(text, str):
+        raise InvalidRequestType(f"text must be a str, got {type(text).__name__}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(token: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a str or an AddedToken dict."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _clean_up_spaces(text: str) -> str:
+    """transformers' `clean_up_tokenization`: drop the space before punctuation and English
+    contractions."""
+    for before, after in (
+        (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+        (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+    ):  # fmt: skip
+        text = text.replace(before, after)
+    return text

@@ -1,0 +1,189 @@
+"""`Tokenizer`: from SmolLM2's GGUF file and from a checkpoint directory; the API a server uses
+(offsets, per-token strings, batches, off-loop encoding); what is refused and how."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import pytest
+
+from aioprefill import InvalidConfig, InvalidRequestType, Tokenizer
+from aioprefill.tokenizer import OFF_LOOP_CHARS
+from tests.tokenizer_files import smollm2_gguf, write_gguf
+
+TEXTS = [
+    "The capital of France is",
+    "Hello, world! Ünïcödé — naïve café, 日本語のテキスト, Ελληνικά, русский",
+    "  leading spaces,   runs   of spaces\n\n\ttabs\r\nand CRLF   ",
+    "def f(x):\n    return x ** 2  # 12345 + 0.5e-3\n",
+    "emoji 🤗🚀👩‍👩‍👧 and flags 🇫🇷",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_tok() -> Tokenizer:
+    return Tokenizer.from_pretrained(smollm2_gguf())
+
+
+def test_gguf_metadata(gguf_tok):
+    assert gguf_tok.vocab_size == 49152
+    assert (gguf_tok.bos_token_id, gguf_tok.eos_token_id) == (1, 2)  # <|im_start|>, <|im_end|>
+    assert gguf_tok.name_or_path == str(smollm2_gguf().resolve())
+    # the file says add_bos_token = False: nothing is added
+    assert gguf_tok.encode("The capital of France is") == gguf_tok.encode(
+        "The capital of France is", add_special_tokens=False
+    )
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip_offsets_and_token_strings(gguf_tok, text):
+    ids = gguf_tok.encode(text)
+    assert all(isinstance(i, int) and 0 <= i < gguf_tok.vocab_size for i in ids)
+    assert gguf_tok.decode(ids) == text.replace(" ,", ",")  # transformers' clean-up
+    same, offsets = gguf_tok.encode_with_offsets(text)
+    assert same == ids and len(offsets) == len(ids)
+    assert offsets[0][0] == 0 and offsets[-1][1] == len(text)
+    pieces = gguf_tok.token_strings(ids)
+    if "\ufffd" not in "".join(pieces):  # every token whole characters: back to back
+        assert pieces == [text[a:b] for a, b in offsets]
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(offsets))
+    else:  # tokens holding part of one character share that character's offsets
+        assert all(a <= b for a, b in itertools.pairwise(offsets))
+
+
+def test_special_token_text_is_one_token(gguf_tok):
+    ids = gguf_tok.encode("<|im_start|>user")
+    assert ids[0] == 1 and gguf_tok.token_strings(ids)[0] == "<|im_start|>"
+    assert gguf_tok.decode(ids, skip_special_tokens=True) == "user"
+
+
+def test_digits_are_split_one_by_one(gguf_tok):
+    # the file's pre-tokenizer is "smollm": every digit its own token, as SmolLM2 was trained
+    assert gguf_tok.token_strings(gguf_tok.encode("year 2024")) == ["year", " ", "2", "0", "2", "4"]
+
+
+def test_empty_text_and_batch(gguf_tok):
+    assert gguf_tok.encode("") == []
+    assert gguf_tok.encode_batch([*TEXTS, ""]) == [gguf_tok.encode(t) for t in TEXTS] + [[]]
+    with pytest.raises(InvalidRequestType, match="text must be a str, got bytes"):
+        gguf_tok.encode(b"bytes")
+    with pytest.raises(InvalidRequestType, match="got int"):
+        gguf_tok.encode_batch(["ok", 5])
+
+
+@pytest.mark.asyncio
+async def test_encode_async_long_and_short(gguf_tok):
+    long_text = (" ".join(TEXTS) + "\n") * (2 * OFF_LOOP_CHARS // 200 + 1)
+    assert len(long_text) > OFF_LOOP_CHARS  # takes the thread path
+    assert await gguf_tok.encode_async(long_text) == gguf_tok.encode(long_text)
+    assert await gguf_tok.encode_async(TEXTS[0]) == gguf_tok.encode(TEXTS[0])
+    with pytest.raises(InvalidRequestType):
+        await gguf_tok.encode_async(["a list"])
+
+
+def _save_dir(tmp_path, gguf_tok, config):
+    """A checkpoint directory holding the GGUF tokenizer's tokenizer.json (no post-processor:
+    it adds nothing) and `config` as tokenizer_config.json."""
+    backend = gguf_tok._backend
+    data = json.loads(backend.to_str())
+    data["post_processor"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_dir_llama_class_adds_bos_by_default(tmp_path, gguf_tok):
+    d = _save_dir(
+        tmp_path,
+        gguf_tok,
+        {
+            "tokenizer_class": "LlamaTokenizerFast",
+            "bos_token": "<|endoftext|>",
+            "eos_token": {"content": "<|im_end|>", "special": True},
+        },
+    )
+    tok = Tokenizer.from_pretrained(d)
+    assert (tok.bos_token_id, tok.eos_token_id) == (0, 2)
+    plain = gguf_tok.encode(TEXTS[0])
+    assert tok.encode(TEXTS[0]) == [0, *plain]
+    assert tok.encode(TEXTS[0], add_special_tokens=False) == plain
+    ids, offsets = tok.encode_with_offsets(TEXTS[0])
+    assert ids[0] == 0 and offsets[0] == (0, 0)
+    assert tok.decode(tok.encode(TEXTS[1]), skip_special_tokens=True) == TEXTS[1]
+    assert tok.name_or_path == str(d.resolve())
+    # the file itself works too
+    assert Tokenizer.from_pretrained(d / "tokenizer.json").encode(TEXTS[0]) == [0, *plain]
+
+
+def test_dir_llama_flags(tmp_path, gguf_tok):
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>",
+        "add_bos_token": False,
+        "add_eos_token": True,
+    }
+    tok = Tokenizer.from_pretrained(_save_dir(tmp_path, gguf_tok, config))
+    assert tok.encode(TEXTS[0]) == [*gguf_tok.encode(TEXTS[0]), 2]
+
+
+def test_dir_other_class_keeps_tokenizer_json(tmp_path, gguf_tok):
+    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>"}
+    tok = Tokenizer.from_pretrained(_save_dir(tmp_path, gguf_tok, config))
+    assert tok.encode(TEXTS[0]) == gguf_tok.encode(TEXTS[0])  # no BOS: the json adds none
+    assert tok.eos_token_id is None and tok.bos_token_id == 0
+    assert tok.decode(tok.encode("a , b")) == "a , b"  # no clean-up unless configured
+
+
+def test_refusals(tmp_path, gguf_tok):
+    with pytest.raises(InvalidConfig, match=r"neither a directory nor a \.gguf file"):
+        Tokenizer.from_pretrained(tmp_path / "missing")
+    with pytest.raises(InvalidConfig, match=r"has no tokenizer\.json$"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer.model").write_bytes(b"spm")
+    with pytest.raises(InvalidConfig, match=r"only a sentencepiece tokenizer\.model"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
+    with pytest.raises(InvalidConfig, match="not a GGUF file"):
+        Tokenizer.from_pretrained(tmp_path / "bad.gguf")
+    spm = write_gguf(
+        tmp_path / "spm.gguf",
+        {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "a"]},
+    )
+    with pytest.raises(InvalidConfig, match="GGUF tokenizer model 'llama' is not supported"):
+        Tokenizer.from_pretrained(spm)
+    none = write_gguf(tmp_path / "none.gguf", {"general.architecture": "llama"})
+    with pytest.raises(InvalidConfig, match="holds no tokenizer"):
+        Tokenizer.from_pretrained(none)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(smollm2_gguf().read_bytes()[:100_000])  # ends inside the vocabulary
+    with pytest.raises(InvalidConfig, match="malformed GGUF metadata"):
+        Tokenizer.from_pretrained(cut)
+
+
+def test_tiny_gguf_with_bos_added(tmp_path):
+    tokens = ["<s>", "</s>", "a", "b", "ab", "Ġ", "Ġab", "<tool>"]
+    path = write_gguf(
+        tmp_path / "tiny.gguf",
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3, 3, 1, 1, 1, 1, 1, 4],
+            "tokenizer.ggml.merges": ["a b", "Ġ ab"],
+            "tokenizer.ggml.bos_token_id": 0,
+            "tokenizer.ggml.eos_token_id": 1,
+        },
+    )
+    tok = Tokenizer.from_pretrained(path)  # add_bos_token absent: True, as in transformers
+    assert tok.encode("ab ab<tool>b") == [0, 4, 6, 7, 3]
+    assert tok.token_strings([0, 4, 6, 7]) == ["<s>", "ab", " ab", "<tool>"]
+    assert tok.decode([0, 4, 6, 1], skip_special_tokens=True) == "ab ab"
+
+
+def test_missing_tokenizers_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(InvalidConfig, match=r"pip install 'aioprefill\[tokenizer\]'"):
+        Tokenizer.from_pretrained(smollm2_gguf())
