@@ -19,10 +19,6 @@ from aioprefill.validate import validate_prompt
 
 __all__ = ["Prompt", "TokenizerLike", "parse_prompts", "token_text"]
 
-# Texts longer than this (characters) are tokenized in a thread, not on the loop.
-_LONG_TEXT = 8192
-
-
 class TokenizerLike(Protocol):
     """What the server uses of `aioprefill.tokenizer.Tokenizer`."""
 
@@ -103,9 +99,7 @@ async def _from_text(
     if offsets:
         ids, spans = tokenizer.encode_with_offsets(text)
         return Prompt(ids, text, spans)
-    if len(text) > _LONG_TEXT:
-        return Prompt(await tokenizer.encode_async(text), text)
-    return Prompt(tokenizer.encode(text), text)
+    return Prompt(await tokenizer.encode_async(text), text)  # a long text: off the loop
 
 
 def _short(x: object) -> str:
