@@ -49,16 +49,38 @@ _FUNCTION_FIELDS = frozenset(
 
 
 def spec_from_pretrained(path: str | os.PathLike[str], overrides: dict[str, object]) -> PaddleModel:
-    """The `PaddleModel` of a checkpoint directory, `overrides` applied, its tensors checked
-    against it (headers only: nothing is loaded here)."""
+    """The `PaddleModel` of a checkpoint directory (or a `.gguf` file), `overrides` applied, its
+    tensors checked against it (headers only: nothing is loaded here)."""
     from aioprefill.workers.weights import check_checkpoint
 
     directory = Path(os.fspath(path)).resolve()
+    if directory.suffix == ".gguf" and directory.is_file():
+        return _spec_from_gguf(directory, overrides)
     if not directory.is_dir():
         raise InvalidConfig(f"{os.fspath(path)}: not a checkpoint directory")
     if not (directory / CONFIG_FILE).is_file():
         raise InvalidConfig(f"{directory}: no {CONFIG_FILE}")
     fields = {**spec_fields(_read_config(directory)), "weights": str(directory)}
+    _check_overrides(overrides)
+    spec = PaddleModel(**{**fields, **overrides})
+    check_checkpoint(str(directory), spec)
+    return spec
+
+
+def _spec_from_gguf(path: Path, overrides: dict[str, object]) -> PaddleModel:
+    """A GGUF file's spec (`hf.gguf`), its tensors checked from the header; logs the size the
+    weights take once dequantized."""
+    from aioprefill.hf import gguf
+
+    header = gguf.read_header(path)
+    _check_overrides(overrides)
+    spec = PaddleModel(**{**gguf.gguf_spec_fields(header), **overrides})
+    gguf.check_tensors(header, spec)
+    gguf.log_size(header, spec.dtype)
+    return spec
+
+
+def _check_overrides(overrides: dict[str, object]) -> None:
     known = set(PaddleModel.__struct_fields__)
     for name in overrides:
         if name not in known:
@@ -68,19 +90,29 @@ def spec_from_pretrained(path: str | os.PathLike[str], overrides: dict[str, obje
                 f"PaddleModel.from_pretrained: {name} comes from the checkpoint and cannot be "
                 "overridden (it would compute a different function)"
             )
-    spec = PaddleModel(**{**fields, **overrides})
-    check_checkpoint(str(directory), spec)
-    return spec
 
 
 def check_spec_against_config(spec: PaddleModel) -> None:
-    """For a spec whose `weights` is a directory with a config.json: raise `InvalidConfig`
-    unless every field config.json decides has the value it gives (a hand-written spec that
-    left out, say, rope_theta would otherwise run the checkpoint as a different function)."""
-    if spec.weights is None or not (Path(spec.weights) / CONFIG_FILE).is_file():
+    """For a spec whose `weights` is a directory with a config.json (or a GGUF file): raise
+    `InvalidConfig` unless every field config.json (the GGUF metadata) decides has the value it
+    gives (a hand-written spec that left out, say, rope_theta would otherwise run the checkpoint
+    as a different function)."""
+    if spec.weights is None:
         return
-    directory = Path(spec.weights)
-    for name, value in spec_fields(_read_config(directory)).items():
+    source = Path(spec.weights)
+    if source.suffix == ".gguf" and source.is_file():
+        from aioprefill.hf import gguf
+
+        header = gguf.read_header(source)
+        gguf.check_tensors(header, spec)
+        decided = gguf.gguf_spec_fields(header)
+        decided.pop("weights")
+    elif (source / CONFIG_FILE).is_file():
+        decided = spec_fields(_read_config(source))
+        source = source / CONFIG_FILE
+    else:
+        return
+    for name, value in decided.items():
         have = getattr(spec, name)
         if name == "max_position_embeddings":
             continue  # a limit, not part of the function
@@ -88,7 +120,7 @@ def check_spec_against_config(spec: PaddleModel) -> None:
         window = name == "sliding_window" and have is not None and have <= value
         if have != value and not window:
             raise InvalidConfig(
-                f"PaddleModel.{name} is {have!r} but {directory / CONFIG_FILE} gives {value!r}; "
+                f"PaddleModel.{name} is {have!r} but {source} gives {value!r}; "
                 "use PaddleModel.from_pretrained to read every setting"
             )
 

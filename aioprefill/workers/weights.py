@@ -36,6 +36,7 @@ from aioprefill.hf.tensors import (
 
 __all__ = [
     "WeightsError",
+    "check_shapes",
     "check_weights",
     "expected_shapes",
     "iter_weights",
@@ -84,6 +85,11 @@ def iter_weights(spec: PaddleModel) -> Iterator[tuple[int | None, str, np.ndarra
         for name, w in random_weights(spec, spec.seed).items():
             yield (*part_of(name), w)
         return
+    if spec.weights.endswith(".gguf"):
+        from aioprefill.workers.gguf_weights import iter_gguf
+
+        yield from iter_gguf(spec)
+        return
     for source, header, names in _plan(spec.weights, spec):
         with open(source, "rb") as f:
             for name in names:
@@ -110,6 +116,9 @@ def check_checkpoint(path: str | os.PathLike[str], spec: PaddleModel) -> None:
 
 def model_weights(spec: PaddleModel) -> dict[str, np.ndarray]:
     """The weights a spec stands for: its checkpoint when `weights=` is set, else its seed's."""
+    if spec.weights is not None and spec.weights.endswith(".gguf"):
+        by_part = {(layer, part): w for layer, part, w in iter_weights(spec)}
+        return {name: by_part[part_of(name)] for name in expected_shapes(spec)}
     if spec.weights is not None:
         return load_weights(spec.weights, spec)
     return random_weights(spec, spec.seed)
@@ -117,7 +126,7 @@ def model_weights(spec: PaddleModel) -> dict[str, np.ndarray]:
 
 def check_weights(weights: dict[str, np.ndarray], spec: PaddleModel, source: str) -> None:
     """Raise `WeightsError` unless `weights` holds exactly the spec's tensors with its shapes."""
-    _check_shapes({name: tuple(w.shape) for name, w in weights.items()}, spec, source)
+    check_shapes({name: tuple(w.shape) for name, w in weights.items()}, spec, source)
 
 
 def save_weights(path: str | os.PathLike[str], weights: dict[str, np.ndarray]) -> None:
@@ -149,7 +158,7 @@ def _plan(path: str | os.PathLike[str], spec: PaddleModel) -> list[tuple[str, _H
         wanted = [n for n in names if not is_ignored(n, spec)]
         wanted.sort(key=lambda n: header[n]["data_offsets"][0])
         plan.append((file, header, wanted))
-    _check_shapes(shapes, spec, source)
+    check_shapes(shapes, spec, source)
     for file, header, names in plan:
         for name in names:
             if header[name]["dtype"] not in _DTYPES:
@@ -159,7 +168,9 @@ def _plan(path: str | os.PathLike[str], spec: PaddleModel) -> list[tuple[str, _H
     return plan
 
 
-def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: PaddleModel, source: str) -> None:
+def check_shapes(shapes: dict[str, tuple[int, ...]], spec: PaddleModel, source: str) -> None:
+    """Raise `WeightsError` unless `shapes` (Hugging Face name -> shape) are the spec's tensors,
+    ignored ones aside."""
     expected = expected_shapes(spec)
     names = {n for n in shapes if not is_ignored(n, spec)}
     missing = [n for n in expected if n not in names]
