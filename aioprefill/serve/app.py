@@ -16,7 +16,6 @@ Python front measured in benchmarks/bench_servers.py), run by uvicorn or granian
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
@@ -145,22 +144,21 @@ class App:
 
     async def _race(self, job: Awaitable[Any], receive: Any) -> tuple[int, bytes]:
         """Run `job` unless the client disconnects first (then cancel it): the body was read,
-        so the next message from the server is http.disconnect."""
+        so the next message from the server is http.disconnect. A done callback, not
+        `asyncio.wait`: this runs for every request."""
         work = asyncio.ensure_future(job)
         gone = asyncio.ensure_future(receive())
+        cancel = lambda _: work.cancel()  # noqa: E731
+        gone.add_done_callback(cancel)
         try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # the server itself is cancelling this request
-            work.cancel()
+            return await work  # type: ignore[no-any-return,unused-ignore]
+        except asyncio.CancelledError:
+            if gone.done() and not gone.cancelled():
+                return _GONE, b""  # the client left: nothing to answer
+            raise  # the server itself is cancelling this request
+        finally:
+            gone.remove_done_callback(cancel)
             gone.cancel()
-            raise
-        if work.done():
-            gone.cancel()
-            return work.result()  # type: ignore[no-any-return,unused-ignore]
-        work.cancel()
-        with contextlib.suppress(BaseException):
-            await work
-        return _GONE, b""
 
     # ---- handlers: (status, body) for POST, (status, body, content type) for GET ----------
 

@@ -2,8 +2,9 @@
 string, a list of strings, a list of ids, a list of lists of ids), tokenized, each checked
 before any of them is queued.
 
-Every prompt of a request is validated up front (`validate_prompt`, the engine's own check),
-so a bad fifth prompt refuses the request before the first four have run. Long texts are
+Every prompt of a list is validated up front (`validate_prompt`, the engine's own check), so a
+bad fifth prompt refuses the request before the first four have run; a lone prompt is left to
+the engine, which runs the same check before queueing it. Long texts are
 tokenized off the event loop (`encode_async`), so one huge prompt does not stall the other
 clients' requests.
 """
@@ -50,8 +51,8 @@ async def parse_prompts(
     max_prompts: int,
     offsets: bool = False,
 ) -> list[Prompt]:
-    """The prompts of `value` (a request's `prompt` or `input`), each checked as the engine
-    would; `InvalidRequest` (400) names the field and index of the first bad one,
+    """The prompts of `value` (a request's `prompt` or `input`); of a list, each checked as
+    the engine would, `InvalidRequest` (400) naming the field and index of the first bad one;
     `HTTPError(413)` refuses more than `max_prompts` at once."""
     single = True
     if isinstance(value, str):
@@ -78,12 +79,13 @@ async def parse_prompts(
                     f"{field}[{i}] must be a string or a list of token ids, got "
                     f"{type(item).__name__} {_short(item)}"
                 )
+    if single:
+        return prompts  # the engine checks it, before anything is queued
     for i, p in enumerate(prompts):
         try:
             validate_prompt(p.ids, vocab_size, max_prompt_tokens)
         except InvalidRequest as exc:
-            where = field if single else f"{field}[{i}]"
-            raise type(exc)(f"{where}: {exc}") from None
+            raise type(exc)(f"{field}[{i}]: {exc}") from None
     return prompts
 
 
