@@ -1,4 +1,4 @@
-"""Server CPU per request of `python -m aioprefill.serve` (uvicorn and granian fronts,
+"""Server CPU per request of `python -m aioprefill.serve` (uvicorn, granian ASGI and RSGI,
 /v1/completions and /v1/embeddings) against the bare /prefill example and mosec, side by side in
 one run, on one harness with the same arrivals.
 
@@ -39,9 +39,13 @@ VARIANTS: dict[str, tuple[list[str], bytes, str]] = {
     "serve uvicorn /v1/completions": (["-m", "aioprefill.serve", *SIM], b"/v1/completions", "c"),
     "serve granian /v1/completions": (
         ["-m", "aioprefill.serve", *SIM, "--server", "granian"], b"/v1/completions", "c"),
+    "serve granian-rsgi /v1/completions": (
+        ["-m", "aioprefill.serve", *SIM, "--server", "granian-rsgi"], b"/v1/completions", "c"),
     "serve uvicorn /v1/embeddings": (["-m", "aioprefill.serve", *SIM], b"/v1/embeddings", "e"),
     "serve granian /v1/embeddings": (
         ["-m", "aioprefill.serve", *SIM, "--server", "granian"], b"/v1/embeddings", "e"),
+    "serve granian-rsgi /v1/embeddings": (
+        ["-m", "aioprefill.serve", *SIM, "--server", "granian-rsgi"], b"/v1/embeddings", "e"),
     "example asgi /prefill": (
         [str(ROOT / "examples" / "asgi_server.py"), "--sim-fixed-ms", "0.5",
          "--sim-per-token-us", "0"], b"/prefill", "t"),

@@ -26,7 +26,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--served-model-name", default=None, help="the model name clients send (default: PATH's)")
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)
-    a("--server", choices=["uvicorn", "granian"], default="uvicorn", help="HTTP front")
+    a(
+        "--server",
+        choices=["uvicorn", "granian", "granian-rsgi"],
+        default="uvicorn",
+        help="HTTP front: uvicorn (ASGI), granian (ASGI) or granian-rsgi",
+    )
     g = p.add_argument_group("engine")
     g.add_argument("--workers", type=int, default=1, help="data-parallel replicas")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
@@ -124,10 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         max_body_bytes=args.max_body_bytes,
     )
     app = App(config, tokenizer, settings)  # type: ignore[arg-type]
-    if args.server == "granian":
+    if args.server.startswith("granian"):
         from aioprefill.serve.fronts import run_granian
 
-        run_granian(app, args.host, args.port)
+        run_granian(app, args.host, args.port, rsgi=args.server == "granian-rsgi")
     else:
         from aioprefill.serve.fronts import run_uvicorn
 

@@ -16,11 +16,12 @@ Python front measured in benchmarks/bench_servers.py), run by uvicorn or granian
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from aioprefill.config import EngineConfig
@@ -75,35 +76,12 @@ class App:
     # ---- one request ------------------------------------------------------------------
 
     async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        path = scope["path"]
         request_id, length = self._headers(scope["headers"])
-        route = self.routes.get(path)
-        label = path if route is not None else "other"
-        content_type = JSON
-        try:
-            if route is None:
-                raise HTTPError(404, f"no route {path}")
-            method, handler, races = route
-            if scope["method"] != method:
-                raise HTTPError(405, f"{path} takes {method}, not {scope['method']}")
-            if method == "POST":
-                body = await self._read(receive, length)
-                if body is None:
-                    self.answers[label, _GONE] += 1
-                    return
-                job = handler(body, request_id)
-                status, out = await (self._race(job, receive) if races else job)
-                if status == _GONE:
-                    self.answers[label, _GONE] += 1
-                    return
-            else:
-                status, out, content_type = await handler()
-        except Exception as exc:
-            status = error_status(exc)
-            if status >= 500 and not isinstance(exc, HTTPError):
-                log.error("request %s to %s failed: %r", request_id, path, exc)
-            out = error_body(status, str(exc))
-        self.answers[label, status] += 1
+        status, out, content_type = await self.answer(
+            scope["path"], scope["method"], request_id, lambda: self._read(receive, length), receive
+        )
+        if status == _GONE:
+            return  # the client is gone: nothing to send
         headers = [
             (b"content-type", content_type),
             (b"content-length", b"%d" % len(out)),  # else uvicorn chunks it
@@ -112,17 +90,58 @@ class App:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": out})
 
+    async def answer(
+        self,
+        path: str,
+        method: str,
+        request_id: str,
+        read: Callable[[], Awaitable[bytes | None]],
+        gone: Callable[[], Awaitable[Any]],
+    ) -> tuple[int, bytes, bytes]:
+        """(status, body, content type) for one request, whatever the server interface:
+        `read()` gives the body (None: the client left), `gone()` returns once it leaves."""
+        route = self.routes.get(path)
+        label = path if route is not None else "other"
+        content_type = JSON
+        try:
+            if route is None:
+                raise HTTPError(404, f"no route {path}")
+            want, handler, races = route
+            if method != want:
+                raise HTTPError(405, f"{path} takes {want}, not {method}")
+            if want == "POST":
+                body = await read()
+                if body is None:
+                    status, out = _GONE, b""
+                else:
+                    job = handler(body, request_id)
+                    status, out = await (self._race(job, gone) if races else job)
+            else:
+                status, out, content_type = await handler()
+        except Exception as exc:
+            status = error_status(exc)
+            if status >= 500 and not isinstance(exc, HTTPError):
+                log.error("request %s to %s failed: %r", request_id, path, exc)
+            out = error_body(status, str(exc))
+        self.answers[label, status] += 1
+        return status, out, content_type
+
+    def request_id(self, value: bytes | str | None) -> str:
+        """The client's X-Request-Id if usable (1-128 ASCII characters), else a fresh one."""
+        if value and len(value) <= _MAX_REQUEST_ID and value.isascii():
+            return value if isinstance(value, str) else value.decode()
+        return f"{self._id_prefix}{next(self._ids)}"
+
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> tuple[str, int]:
         """The request id to use (the client's X-Request-Id if usable, else a fresh one) and
         the announced Content-Length (-1 when absent)."""
-        request_id, length = "", -1
+        request_id, length = None, -1
         for key, value in headers:
             if key == b"x-request-id":
-                if 0 < len(value) <= _MAX_REQUEST_ID and value.isascii():
-                    request_id = value.decode()
+                request_id = value
             elif key == b"content-length" and value.isdigit():
                 length = int(value)
-        return request_id or f"{self._id_prefix}{next(self._ids)}", length
+        return self.request_id(request_id), length
 
     async def _read(self, receive: Any, length: int) -> bytes | None:
         """The whole body, or None when the client left first."""
@@ -142,23 +161,25 @@ class App:
             if not msg.get("more_body"):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def _race(self, job: Awaitable[Any], receive: Any) -> tuple[int, bytes]:
+    async def _race(
+        self, job: Awaitable[Any], gone: Callable[[], Awaitable[Any]]
+    ) -> tuple[int, bytes]:
         """Run `job` unless the client disconnects first (then cancel it): the body was read,
         so the next message from the server is http.disconnect. A done callback, not
         `asyncio.wait`: this runs for every request."""
         work = asyncio.ensure_future(job)
-        gone = asyncio.ensure_future(receive())
+        left = asyncio.ensure_future(gone())
         cancel = lambda _: work.cancel()  # noqa: E731
-        gone.add_done_callback(cancel)
+        left.add_done_callback(cancel)
         try:
             return await work  # type: ignore[no-any-return,unused-ignore]
         except asyncio.CancelledError:
-            if gone.done() and not gone.cancelled():
+            if left.done() and not left.cancelled():
                 return _GONE, b""  # the client left: nothing to answer
             raise  # the server itself is cancelling this request
         finally:
-            gone.remove_done_callback(cancel)
-            gone.cancel()
+            left.remove_done_callback(cancel)
+            left.cancel()
 
     # ---- handlers: (status, body) for POST, (status, body, content type) for GET ----------
 
@@ -198,17 +219,25 @@ class App:
 
     # ---- lifespan ---------------------------------------------------------------------
 
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The engine started and served from, closed (draining) at exit."""
+        async with Engine(self.config) as engine:
+            self.service = Service(engine, self.tokenizer, self.settings)
+            self._registry = _registry(engine, self.answers)
+            try:
+                yield
+            finally:
+                self.service = None
+
     async def _lifespan(self, receive: Any, send: Any) -> None:
         await receive()  # lifespan.startup
         started = False
         try:
-            async with Engine(self.config) as engine:
-                self.service = Service(engine, self.tokenizer, self.settings)
-                self._registry = _registry(engine, self.answers)
+            async with self.running():
                 started = True
                 await send({"type": "lifespan.startup.complete"})
                 await receive()  # lifespan.shutdown: the server answered its last request
-                self.service = None
         except BaseException as exc:
             if not started:
                 await send({"type": "lifespan.startup.failed", "message": repr(exc)})

@@ -1,5 +1,5 @@
-"""The HTTP servers that can run the ASGI `App`: uvicorn (httptools, uvloop) and granian
-(Rust). Measured side by side in benchmarks/bench_serve.py; uvicorn is the default."""
+"""The HTTP servers that can run the `App`: uvicorn (httptools, uvloop; ASGI) and granian
+(Rust; ASGI or RSGI). Measured side by side in benchmarks/bench_serve.py."""
 
 from __future__ import annotations
 
@@ -26,10 +26,12 @@ def run_uvicorn(app: Any, host: str, port: int) -> None:
     )
 
 
-def run_granian(app: Any, host: str, port: int) -> None:
-    """Serve with granian's embedded server (Rust HTTP, the app on this process's uvloop):
-    SIGTERM/SIGINT stop it, then the lifespan shutdown drains and closes the engine."""
+def run_granian(app: Any, host: str, port: int, *, rsgi: bool = False) -> None:
+    """Serve with granian's embedded server (Rust HTTP, the app on this process's uvloop), as
+    ASGI (the engine in the lifespan) or RSGI (the engine started around the server: RSGI has
+    no async lifespan). SIGTERM/SIGINT stop the server, then the engine drains and closes."""
     import asyncio
+    import contextlib
     import signal
 
     import uvloop
@@ -37,13 +39,21 @@ def run_granian(app: Any, host: str, port: int) -> None:
     from granian.log import LogLevels
     from granian.server.embed import Server
 
+    from aioprefill.serve.rsgi import RSGIApp
+
     async def serve() -> None:
-        server = Server(
-            app, address=host, port=port, interface=Interfaces.ASGI, log_level=LogLevels.warning
-        )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, server.stop)
-        await server.serve()
+        running = app.running() if rsgi else contextlib.nullcontext()
+        async with running:
+            server = Server(
+                RSGIApp(app) if rsgi else app,
+                address=host,
+                port=port,
+                interface=Interfaces.RSGI if rsgi else Interfaces.ASGI,
+                log_level=LogLevels.warning,
+            )
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, server.stop)
+            await server.serve()
 
     uvloop.run(serve())

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from aioprefill.workers.sim import expected_token
 from tests.serve.util import gone, segments_of, serve
 
-pytestmark = pytest.mark.parametrize("front", ["uvicorn", "granian"])
+pytestmark = pytest.mark.parametrize("front", ["uvicorn", "granian", "granian-rsgi"])
 
 
 def scrape(url: str) -> dict[str, float]:
