@@ -73,3 +73,5 @@ def test_extras_layout():
     # the model tests) and the exporter.
     assert "aioprefill[paddle]" in extras["bench"]
     assert "aioprefill[paddle,prometheus]" in extras["test"]
+    assert "aioprefill[serve]" in extras["test"]  # tests/serve/
+    assert {d.split(">")[0] for d in extras["serve"]} >= {"uvicorn", "httptools", "granian"}
