@@ -24,19 +24,21 @@ import time
 import uvloop
 from bench_servers import ROOT, Connection, free_port
 
-from aioprefill import Engine, EngineConfig, PaddleModel
+from aioprefill import Engine, EngineConfig, PaddleModel, SimModel
 from aioprefill.serve.__main__ import default_model
 
 
 async def run(args: argparse.Namespace) -> None:
     path = args.model or default_model()
     port = free_port()
+    sim = ["--sim-fixed-ms", "5", "--sim-per-token-us", "0"] if path == "sim" else []
     server = subprocess.Popen(
-        [sys.executable, "-m", "aioprefill.serve", "--model", path, "--port", str(port)],
+        [sys.executable, "-m", "aioprefill.serve", "--model", path, *sim, "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
     )  # fmt: skip
     rng = random.Random(0)
-    config = EngineConfig(model=PaddleModel.from_pretrained(path))
+    model = SimModel(fixed_ms=5, per_token_us=0) if path == "sim" else None
+    config = EngineConfig(model=model or PaddleModel.from_pretrained(path))
     prompts = [[rng.randrange(100, config.model.vocab_size) for _ in range(args.tokens)]
                for _ in range(args.requests)]  # fmt: skip
     bodies = [b'{"prompt": [%s], "max_tokens": 1}' % b",".join(b"%d" % t for t in p)
@@ -86,7 +88,9 @@ def _p(xs: list[float], q: float) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2)")
+    p.add_argument(
+        "--model", default=None, help="checkpoint dir, .gguf (default: SmolLM2), or 'sim'"
+    )
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--tokens", type=int, default=64)
     uvloop.run(run(p.parse_args()))
