@@ -9,10 +9,10 @@ Kind "gpt2" (byte-level BPE: SmolLM2, Llama 3, Qwen2...) is built the way transf
 loader (`GGUFLlamaConverter`) does it: BPE over tokens and merges, control tokens (type 3) as
 special added tokens, user-defined ones (type 4) as added tokens, a byte-level pre-tokenizer and
 decoder, and `[BOS] $A` when `add_bos_token` (absent: True, `LlamaTokenizerFast`'s default).
-`tokenizer.ggml.pre` (llama.cpp's name for the
-pre-tokenizer, which transformers ignores) is followed where it only splits digits one by one
-("smollm", "starcoder"...): that is how such a vocabulary was trained, and as it holds no merge
-across digits the ids equal transformers'. Kind "llama" (SentencePiece) and others are refused by name.
+`tokenizer.ggml.pre` (llama.cpp's name for the pre-tokenizer, which transformers ignores) is
+followed where it only splits digits one by one ("smollm", "starcoder"...): that is how such a
+vocabulary was trained, and as it holds no merge across digits the ids equal transformers'.
+Kind "llama" (SentencePiece) and others are refused by name.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from aioprefill.errors import InvalidConfig
 
-__all__ = ["gguf_tokenizer", "read_metadata"]
+__all__ = ["NoTokenizerInFile", "gguf_tokenizer", "read_metadata"]
 
 _MAGIC = b"GGUF"
 # Metadata value types (gguf.md): struct formats of the scalars; 8 is STRING, 9 is ARRAY.
@@ -33,6 +33,10 @@ _STRING, _ARRAY = 8, 9
 _CONTROL, _USER_DEFINED = 3, 4
 # llama.cpp pre-tokenizers that split digits one at a time before the GPT-2 regex.
 _DIGITS_FIRST = frozenset({"smollm", "starcoder", "codeshell", "refact"})
+
+
+class NoTokenizerInFile(InvalidConfig):
+    """The GGUF file holds weights but no vocabulary (no `tokenizer.ggml.model`)."""
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
@@ -100,7 +104,9 @@ def gguf_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
     meta = read_metadata(path)
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
-        raise InvalidConfig(f"{path}: the GGUF file holds no tokenizer (no tokenizer.ggml.model)")
+        raise NoTokenizerInFile(
+            f"{path}: the GGUF file holds no tokenizer (no tokenizer.ggml.model)"
+        )
     if kind != "gpt2":
         raise InvalidConfig(
             f"{path}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2', byte-level "
