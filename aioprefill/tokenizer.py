@@ -3,9 +3,11 @@
 Built on Hugging Face `tokenizers` (the Rust library behind transformers' fast tokenizers), an
 optional extra (`pip install 'aioprefill[tokenizer]'`). Two sources:
 
-- a checkpoint directory: `tokenizer.json`, plus `tokenizer_config.json` for the BOS/EOS tokens,
-  whether a BOS/EOS is added (Llama-style classes, as transformers' `LlamaTokenizerFast` does) and
-  `clean_up_tokenization_spaces` for `decode`;
+- a checkpoint directory: `tokenizer.json`, plus `tokenizer_config.json` (or
+  `special_tokens_map.json`) for the BOS/EOS tokens. As in transformers 5, tokenizer.json's own
+  post-processor decides which special tokens `encode` adds (`add_bos_token` in the config is
+  ignored when a tokenizer.json exists), and `clean_up_tokenization_spaces` applies to
+  non-BPE vocabularies only;
 - a `.gguf` file's tokenizer metadata (`aioprefill.tokenizer_gguf`).
 
 Long texts are tokenized off the event loop (`encode_async`): the library releases the GIL while
@@ -33,11 +35,6 @@ TOKENIZER_EXTRA_HINT = "pip install 'aioprefill[tokenizer]'"
 # Texts longer than this (in characters) are encoded in a thread by `encode_async`: ~16 KiB of
 # text takes about a millisecond to encode, so shorter ones cost the loop less than the hand-off.
 OFF_LOOP_CHARS = 16 * 1024
-# transformers' classes whose __init__ rebuilds the post-processor from add_bos_token (default
-# True) and add_eos_token (default False), overriding the one in tokenizer.json.
-_BOS_FLAG_CLASSES = frozenset(
-    {"LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer", "CohereTokenizer"}
-)
 
 
 def import_optional(module: str, extra: str) -> Any:
@@ -113,19 +110,16 @@ class Tokenizer:
         eos = _token_text(config.get("eos_token", special.get("eos_token")))
         bos_id = backend.token_to_id(bos) if bos is not None else None
         eos_id = backend.token_to_id(eos) if eos is not None else None
-        klass = str(config.get("tokenizer_class") or "").removesuffix("Fast")
-        if klass in _BOS_FLAG_CLASSES:
-            add_bos = bool(config.get("add_bos_token", True))
-            add_eos = bool(config.get("add_eos_token", False))
-            backend.post_processor = bos_eos_template(
-                tk, (bos, bos_id, add_bos), (eos, eos_id, add_eos)
-            )
+        # transformers 5 decodes BPE vocabularies without its clean-up whatever the config says
+        clean_up = bool(config.get("clean_up_tokenization_spaces")) and (
+            type(backend.model).__name__ != "BPE"
+        )
         return cls(
             backend,
             name_or_path=str(d),
             bos_token_id=bos_id,
             eos_token_id=eos_id,
-            clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+            clean_up_tokenization_spaces=clean_up,
         )
 
     # ---- encoding ----------------------------------------------------------------------
