@@ -21,10 +21,12 @@ import asyncio
 import importlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aioprefill.errors import InvalidConfig, InvalidRequestType
+from aioprefill.tokenizer_chunks import PIECE_CHARS, cut, wrap_if_local
 
 if TYPE_CHECKING:
     import tokenizers
@@ -55,7 +57,7 @@ class Tokenizer:
     `len(tokenizer)`). `name_or_path` is the absolute local path it was loaded from.
     """
 
-    __slots__ = ("_backend", "_clean_up", "bos_token_id", "eos_token_id", "name_or_path")
+    __slots__ = ("_backend", "_clean_up", "_wrap", "bos_token_id", "eos_token_id", "name_or_path")
 
     def __init__(
         self,
@@ -66,7 +68,12 @@ class Tokenizer:
         eos_token_id: int | None = None,
         clean_up_tokenization_spaces: bool = False,
     ) -> None:
+        # transformers truncates and pads only when asked: a tokenizer.json's settings are not
+        # applied by `encode`
+        backend.no_truncation()
+        backend.no_padding()
         self._backend = backend
+        self._wrap = wrap_if_local(backend)  # None: long texts are tokenized whole
         self.name_or_path = name_or_path
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -160,13 +167,24 @@ class Tokenizer:
         return await asyncio.to_thread(self.encode_released, text, add_special_tokens)
 
     def encode_released(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """`encode` for a worker thread: the GIL is released while the text is tokenized, and
-        held only to build the list of ids (about 10 ns per id). `encode` holds the GIL
-        throughout, `encode_batch` also while it converts offsets; `encode_batch_fast`
-        (tokenizers >= 0.20.1) computes no offsets at all."""
+        """`encode` for a worker thread, holding the GIL as little as it can.
+
+        `encode_batch_fast` (tokenizers >= 0.20.1; else `encode_batch`) releases the GIL while
+        it tokenizes (`encode` holds it throughout, `encode_batch` while it computes offsets);
+        building the Python list of ids needs it, ~10-50 ns an id. So a long text is cut into
+        ~16 KiB pieces where its tokens provably do not cross (`tokenizer_chunks`), tokenized
+        one after the other, and the GIL is yielded between pieces."""
         _check_text(text)
         batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
-        ids: list[int] = batch([text], add_special_tokens=add_special_tokens)[0].ids  # a new list
+        if self._wrap is None or len(text) <= 2 * PIECE_CHARS:
+            ids: list[int] = batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return ids
+        head, tail = self._wrap if add_special_tokens else ([], [])
+        ids = list(head)
+        for piece in cut(text):  # one at a time: one core, as a text tokenized whole takes
+            ids += batch([piece], add_special_tokens=False)[0].ids
+            time.sleep(0)  # a waiting event loop takes the GIL now, not after the 5 ms switch
+        ids += tail
         return ids
 
     # ---- decoding ----------------------------------------------------------------------

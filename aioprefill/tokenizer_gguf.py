@@ -23,7 +23,7 @@ from typing import Any
 
 from aioprefill.errors import InvalidConfig
 
-__all__ = ["NoTokenizerInFile", "gguf_tokenizer", "read_metadata"]
+__all__ = ["KNOWN_SPLITS", "NoTokenizerInFile", "gguf_tokenizer", "read_metadata"]
 
 _MAGIC = b"GGUF"
 # Metadata value types (gguf.md): struct formats of the scalars; 8 is STRING, 9 is ARRAY.
@@ -45,6 +45,7 @@ _SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2),
 }
+KNOWN_SPLITS = frozenset(_SPLITS.values())
 
 
 class NoTokenizerInFile(InvalidConfig):

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import json
 import shutil
+import sys
 
 import msgspec
 import numpy as np
@@ -143,3 +144,16 @@ async def test_model_brings_its_tokenizer(tmp_path):
     # no tokenizer.json: none, and token ids work as before
     bare = _checkpoint_with_tokenizer(tmp_path / "bare", None)
     assert EngineConfig(model=PaddleModel.from_pretrained(bare)).tokenizer is None
+
+
+@pytest.mark.asyncio
+async def test_without_tokenizers_package(tmp_path, monkeypatch):
+    """Token ids need no tokenizer: without the extra a checkpoint's tokenizer.json is left
+    unread, and a str prompt names the extra to install."""
+    d = _checkpoint_with_tokenizer(tmp_path, _word_level_json(1000))
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # unimportable
+    assert EngineConfig(model=PaddleModel.from_pretrained(d)).tokenizer is None
+    async with Engine(EngineConfig(model=SimModel(fixed_ms=0.5))) as engine:
+        with pytest.raises(InvalidRequest, match=r"pip install 'aioprefill\[tokenizer\]'"):
+            await engine.prefill("The capital of France is")
+        assert (await engine.prefill([1, 2, 3])).batch_tokens == 3

@@ -73,3 +73,6 @@ def test_extras_layout():
     # the model tests) and the exporter.
     assert "aioprefill[paddle]" in extras["bench"]
     assert "aioprefill[paddle,prometheus]" in extras["test"]
+    # text prompts: the tokenizer extra, in the test install too
+    assert any(d.startswith("tokenizers") for d in extras["tokenizer"])
+    assert "aioprefill[tokenizer]" in extras["test"]
