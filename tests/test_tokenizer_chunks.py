@@ -53,6 +53,7 @@ def test_pieces_give_the_whole_texts_ids(source):
     assert len(cut(text)) > 5
     assert tok.encode_released(text) == tok.encode(text)
     assert tok.encode_released(text, add_special_tokens=False) == tok.encode(text)
+    assert tok._offsets_released(text, True) == tok.encode_with_offsets(text)
 
 
 def _backend(pre, normalizer=None, added=()):
@@ -97,3 +98,13 @@ def test_special_tokens_wrap_the_whole_text_once():
     ids = tok.encode_released(text)
     assert ids == tok.encode(text) and ids[0] == s and ids[-1] == e
     assert ids.count(s) == 1 and ids.count(e) == 1 + text.count("</s>")
+    assert tok._offsets_released(text, True) == tok.encode_with_offsets(text)
+    assert tok._offsets_released(text, False) == tok.encode_with_offsets(text, False)
+
+
+@pytest.mark.asyncio
+async def test_encode_with_offsets_async():
+    tok = smollm2()
+    text = mixed_text(random.randrange(1 << 20), 3 * PIECE_CHARS)
+    assert await tok.encode_with_offsets_async(text) == tok.encode_with_offsets(text)
+    assert await tok.encode_with_offsets_async("hi there") == tok.encode_with_offsets("hi there")
