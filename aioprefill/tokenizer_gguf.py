@@ -120,25 +120,28 @@ def gguf_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
         raise NoTokenizerInFile(
             f"{path}: the GGUF file holds no tokenizer (no tokenizer.ggml.model)"
         )
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise InvalidConfig(
             f"{path}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2', byte-level "
-            "BPE); load the tokenizer from a checkpoint directory's tokenizer.json instead"
+            "BPE, and 'llama', SentencePiece BPE); load the tokenizer from a checkpoint "
+            "directory's tokenizer.json instead"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type", [])
-    vocab = {_byte_level_spelling(t): i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
-    backend = tk.Tokenizer(tk.models.BPE(vocab, merges, fuse_unk=False))
-    # Control tokens stay whole, as special tokens, unless spelled outside the byte alphabet (a
-    # llama.cpp mislabel: adding it would grow the vocabulary); user-defined ones as plain added.
-    backend.add_special_tokens(
-        [
-            tk.AddedToken(t, normalized=False, special=True)
-            for t, k in zip(tokens, types, strict=False)
-            if k == _CONTROL and set(t) <= _ALPHABET
-        ]
-    )
+    backend = (_byte_level if kind == "gpt2" else _sentencepiece)(tk, meta, tokens)
+    vocab = backend.get_vocab(with_added_tokens=False)
+    # Control tokens stay whole, as special tokens (in a byte-level vocabulary, not one spelled
+    # outside the byte alphabet: a llama.cpp mislabel, adding it would grow the vocabulary); so
+    # do the bos/eos/unk/pad tokens the file names; user-defined ones as plain added tokens.
+    keys = (f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "unknown", "padding"))
+    named: list[int] = sorted({meta[k] for k in keys if k in meta})
+    special = [
+        t
+        for t, k in zip(tokens, types, strict=False)
+        if k == _CONTROL and (kind != "gpt2" or set(t) <= _ALPHABET)
+    ]
+    special += [tokens[i] for i in named if i < len(tokens)]
+    backend.add_special_tokens([tk.AddedToken(t, normalized=False, special=True) for t in special])
     backend.add_tokens(
         [
             tk.AddedToken(t, normalized=False, special=False)
@@ -146,6 +149,23 @@ def gguf_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
             if k == _USER_DEFINED and t in vocab
         ]
     )
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    bos = tokens[bos_id] if bos_id is not None and bos_id < len(tokens) else None
+    eos = tokens[eos_id] if eos_id is not None and eos_id < len(tokens) else None
+    # absent: a BOS for SentencePiece vocabularies (llama.cpp's default), none for byte-level
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    backend.post_processor = bos_eos_template(tk, (bos, bos_id, add_bos), (eos, eos_id, add_eos))
+    return backend, {"bos_token_id": bos_id, "eos_token_id": eos_id}
+
+
+def _byte_level(tk: Any, meta: dict[str, Any], tokens: list[str]) -> Any:
+    """transformers' `GPT2Tokenizer` over the file's vocabulary and merges, with the text split
+    `tokenizer.ggml.pre` names."""
+    vocab = {_byte_level_spelling(t): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
+    backend = tk.Tokenizer(tk.models.BPE(vocab, merges, fuse_unk=False))
     split = _SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
     byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
     if split is not None:
@@ -154,14 +174,45 @@ def gguf_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
     else:
         backend.pre_tokenizer = byte_level
     backend.decoder = tk.decoders.ByteLevel()
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    eos_id = meta.get("tokenizer.ggml.eos_token_id")
-    bos = tokens[bos_id] if bos_id is not None and bos_id < len(tokens) else None
-    eos = tokens[eos_id] if eos_id is not None and eos_id < len(tokens) else None
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-    backend.post_processor = bos_eos_template(tk, (bos, bos_id, add_bos), (eos, eos_id, add_eos))
-    return backend, {"bos_token_id": bos_id, "eos_token_id": eos_id}
+    return backend
+
+
+def _sentencepiece(tk: Any, meta: dict[str, Any], tokens: list[str]) -> Any:
+    """transformers' `LlamaTokenizer` (legacy=False): BPE with byte fallback over the file's
+    vocabulary, its merges given or recovered from the scores, "▁" for spaces, prepended
+    once at the start unless `add_space_prefix` is false."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        scores = dict(zip(tokens, meta["tokenizer.ggml.scores"], strict=True))
+        merges = _merges_from_scores(vocab, scores)
+    model = tk.models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True)
+    backend = tk.Tokenizer(model)
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = tk.pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
+    d = tk.decoders
+    steps = [d.Replace("▁", " "), d.ByteFallback(), d.Fuse()]
+    backend.decoder = d.Sequence([*steps, d.Strip(content=" ", left=1)] if prefix else steps)
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies (transformers' `generate_merges`): every
+    split of a token into two tokens, the token's score deciding the order, best first."""
+    found: list[tuple[str, str, float]] = []
+    for token, score in scores.items():
+        local = [
+            (token[:i], token[i:], score)
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        found += local
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in found]
 
 
 def _bytes_to_unicode() -> dict[int, str]:

