@@ -10,9 +10,10 @@ optional extra (`pip install 'aioprefill[tokenizer]'`). Two sources:
   non-BPE vocabularies only;
 - a `.gguf` file's tokenizer metadata (`aioprefill.tokenizer_gguf`).
 
-Long texts are tokenized off the event loop (`encode_async`): the library releases the GIL while
-it encodes a batch, so the loop keeps serving (benchmarks/bench_tokenizer.py measures its lag;
-what remains is the GIL held to build the list of ids).
+Long texts are tokenized off the event loop (`encode_async`, `encode_with_offsets_async`): the
+library releases the GIL while it tokenizes, and the text is cut into pieces (`tokenizer_chunks`)
+so the GIL is held for one piece's ids at a time (benchmarks/bench_tokenizer.py measures the
+loop's lag).
 """
 
 from __future__ import annotations
