@@ -6,6 +6,7 @@ one raises `InvalidConfig` naming the field.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 
 from aioprefill.models import (
@@ -19,6 +20,8 @@ from aioprefill.models import (
     _require,
 )
 from aioprefill.parallel import check_parallel
+from aioprefill.text import resolve_tokenizer
+from aioprefill.tokenizer import Tokenizer
 
 __all__ = [
     "ARCHITECTURES",
@@ -87,6 +90,9 @@ class EngineConfig:
     # Shared memory that KV exports (return_kv=True) may hold: requests in flight plus handles
     # not yet closed. Past it, return_kv requests raise KVBudgetExceeded.
     max_kv_export_bytes: int = 2 << 30
+    # For str prompts: a Tokenizer, or the path of a checkpoint directory / .gguf file. None:
+    # the model's own (a PaddleModel whose weights hold one), else no text prompts.
+    tokenizer: Tokenizer | str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -157,6 +163,7 @@ class EngineConfig:
                 f"{self.ring_capacity} bytes cannot hold a full batch; "
                 f"need >= {self.min_ring_capacity()}",
             )
+        self.tokenizer = resolve_tokenizer(self.tokenizer, self.model)
 
     def min_ring_capacity(self) -> int:
         """Bytes one full batch frame can take: int32 tokens + per-request columns + slack."""

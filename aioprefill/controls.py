@@ -1,5 +1,5 @@
 """What a server embedding an `Engine` uses besides `prefill()`: its state, `is_running`,
-`health()`, `drain()` and `submit_threadsafe()`.
+`health()`, `drain()`, `submit_threadsafe()` and `tokenizer`.
 
 A mixin of `Engine` (`loop.py`, which owns the fields declared here), kept apart so the engine
 file stays about scheduling. Like everything in the engine these run on the event loop that
@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 from aioprefill.affinity import LoopAffinity
 from aioprefill.errors import AioprefillError
 from aioprefill.health import EngineHealth, health_of
+from aioprefill.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from aioprefill.config import EngineConfig
     from aioprefill.result import PrefillResult
     from aioprefill.scheduler import Scheduler
     from aioprefill.workers.pool import WorkerPool
@@ -39,6 +41,7 @@ SERVING = (State.RUNNING, State.DRAINING, State.CLOSING)  # workers get batches
 
 
 class EngineControls:
+    config: EngineConfig
     _state: State
     _affinity: LoopAffinity
     _loop: asyncio.AbstractEventLoop | None
@@ -48,6 +51,13 @@ class EngineControls:
     _idle_waiter: asyncio.Future[None] | None
     if TYPE_CHECKING:
         prefill: Callable[..., Coroutine[Any, Any, PrefillResult]]  # Engine's
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer `prefill(str)` uses: `EngineConfig(tokenizer=)`, or the model's own
+        (a checkpoint with tokenizer.json, a .gguf file); None when there is none."""
+        tokenizer = self.config.tokenizer
+        return tokenizer if isinstance(tokenizer, Tokenizer) else None
 
     @property
     def is_running(self) -> bool:

@@ -37,6 +37,7 @@ from aioprefill.result import PrefillResult
 from aioprefill.scheduler import Scheduler
 from aioprefill.shm.segments import cleanup_stale_segments
 from aioprefill.stats import EngineStats, StatsRecorder
+from aioprefill.text import encode_text
 from aioprefill.timer import LoopTimer
 from aioprefill.validate import validate_controls, validate_prompt
 from aioprefill.workers.pool import WorkerPool
@@ -144,6 +145,8 @@ class Engine(EngineControls):
     ) -> PrefillResult:
         """Run the prefill of one prompt; return its greedy next token and timings.
 
+        `tokens`: a list of ids, a 1-D integer array, or a `str` (`engine.tokenizer`'s ids).
+
         Output options (each computed only for the requests that ask): `prompt_logprobs`
         (float32[n-1]), `top_k` alternatives at the last position, `embed="last"|"mean"`
         (final-norm hidden state; `normalize=True` for unit L2 norm), `return_kv` (a
@@ -159,6 +162,8 @@ class Engine(EngineControls):
         self._affinity.check("prefill()")
         validate_controls(deadline_s, request_id)
         try:  # a caller's request_id names the request in these errors too
+            if isinstance(tokens, str):  # long texts are tokenized off the loop
+                tokens = await encode_text(self.tokenizer, tokens)
             self._check_open()
             vocab_size = self.config.model.vocab_size
             prompt = validate_prompt(tokens, vocab_size, self.config.max_prompt_tokens or 0)

@@ -75,3 +75,6 @@ def test_extras_layout():
     assert "aioprefill[paddle,prometheus]" in extras["test"]
     assert "aioprefill[serve]" in extras["test"]  # tests/serve/
     assert {d.split(">")[0] for d in extras["serve"]} >= {"uvicorn", "httptools", "granian"}
+    # text prompts: the tokenizer extra, in the test install too
+    assert any(d.startswith("tokenizers") for d in extras["tokenizer"])
+    assert "aioprefill[tokenizer]" in extras["test"]

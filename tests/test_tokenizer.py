@@ -42,7 +42,7 @@ def test_gguf_metadata(gguf_tok):
 def test_round_trip_offsets_and_token_strings(gguf_tok, text):
     ids = gguf_tok.encode(text)
     assert all(isinstance(i, int) and 0 <= i < gguf_tok.vocab_size for i in ids)
-    assert gguf_tok.decode(ids) == text.replace(" ,", ",")  # transformers' clean-up
+    assert gguf_tok.decode(ids) == text
     same, offsets = gguf_tok.encode_with_offsets(text)
     assert same == ids and len(offsets) == len(ids)
     assert offsets[0][0] == 0 and offsets[-1][1] == len(text)
@@ -84,27 +84,32 @@ async def test_encode_async_long_and_short(gguf_tok):
         await gguf_tok.encode_async(["a list"])
 
 
-def _save_dir(tmp_path, gguf_tok, config):
-    """A checkpoint directory holding the GGUF tokenizer's tokenizer.json (no post-processor:
-    it adds nothing) and `config` as tokenizer_config.json."""
-    backend = gguf_tok._backend
-    data = json.loads(backend.to_str())
-    data["post_processor"] = None
+def _save_dir(tmp_path, gguf_tok, config, post_processor=None):
+    """A checkpoint directory holding the GGUF tokenizer's tokenizer.json with
+    `post_processor`, and `config` as tokenizer_config.json."""
+    data = json.loads(gguf_tok._backend.to_str())
+    data["post_processor"] = post_processor
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     return tmp_path
 
 
-def test_dir_llama_class_adds_bos_by_default(tmp_path, gguf_tok):
-    d = _save_dir(
-        tmp_path,
-        gguf_tok,
-        {
-            "tokenizer_class": "LlamaTokenizerFast",
-            "bos_token": "<|endoftext|>",
-            "eos_token": {"content": "<|im_end|>", "special": True},
-        },
-    )
+BOS_TEMPLATE = {
+    "type": "TemplateProcessing",
+    "single": [
+        {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+        {"Sequence": {"id": "A", "type_id": 0}},
+    ],
+    "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+    "special_tokens": {
+        "<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}
+    },
+}
+
+
+def test_dir_post_processor_adds_bos(tmp_path, gguf_tok):
+    config = {"bos_token": "<|endoftext|>", "eos_token": {"content": "<|im_end|>"}}
+    d = _save_dir(tmp_path, gguf_tok, config, BOS_TEMPLATE)
     tok = Tokenizer.from_pretrained(d)
     assert (tok.bos_token_id, tok.eos_token_id) == (0, 2)
     plain = gguf_tok.encode(TEXTS[0])
@@ -118,24 +123,37 @@ def test_dir_llama_class_adds_bos_by_default(tmp_path, gguf_tok):
     assert Tokenizer.from_pretrained(d / "tokenizer.json").encode(TEXTS[0]) == [0, *plain]
 
 
-def test_dir_llama_flags(tmp_path, gguf_tok):
+def test_dir_flags_do_not_override_tokenizer_json(tmp_path, gguf_tok):
+    # transformers 5: add_bos_token / add_eos_token are dropped when a tokenizer.json exists
     config = {
         "tokenizer_class": "LlamaTokenizer",
         "bos_token": "<|endoftext|>",
         "eos_token": "<|im_end|>",
-        "add_bos_token": False,
+        "add_bos_token": True,
         "add_eos_token": True,
     }
     tok = Tokenizer.from_pretrained(_save_dir(tmp_path, gguf_tok, config))
-    assert tok.encode(TEXTS[0]) == [*gguf_tok.encode(TEXTS[0]), 2]
+    assert tok.encode(TEXTS[0]) == gguf_tok.encode(TEXTS[0])
+    # no bos_token in tokenizer_config.json: special_tokens_map.json's
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|im_start|>"}))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert Tokenizer.from_pretrained(tmp_path).bos_token_id == 1
 
 
-def test_dir_other_class_keeps_tokenizer_json(tmp_path, gguf_tok):
-    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>"}
-    tok = Tokenizer.from_pretrained(_save_dir(tmp_path, gguf_tok, config))
-    assert tok.encode(TEXTS[0]) == gguf_tok.encode(TEXTS[0])  # no BOS: the json adds none
-    assert tok.eos_token_id is None and tok.bos_token_id == 0
-    assert tok.decode(tok.encode("a , b")) == "a , b"  # no clean-up unless configured
+def test_dir_clean_up_only_for_non_bpe(tmp_path, gguf_tok):
+    config = {"clean_up_tokenization_spaces": True}
+    bpe = Tokenizer.from_pretrained(_save_dir(tmp_path, gguf_tok, config))
+    assert bpe.decode(bpe.encode("a , b")) == "a , b"  # as transformers 5: BPE is not cleaned
+    tk = pytest.importorskip("tokenizers")
+    words = tk.Tokenizer(tk.models.WordLevel({"a": 0, ",": 1, "b": 2, "[UNK]": 3}, "[UNK]"))
+    words.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    words.decoder = tk.decoders.WordPiece()
+    d = tmp_path / "words"
+    d.mkdir()
+    (d / "tokenizer.json").write_text(words.to_str())
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained(d)
+    assert tok.encode("a , b") == [0, 1, 2] and tok.decode([0, 1, 2]) == "a, b"
 
 
 def test_refusals(tmp_path, gguf_tok):
@@ -149,12 +167,11 @@ def test_refusals(tmp_path, gguf_tok):
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
     with pytest.raises(InvalidConfig, match="not a GGUF file"):
         Tokenizer.from_pretrained(tmp_path / "bad.gguf")
-    spm = write_gguf(
-        tmp_path / "spm.gguf",
-        {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "a"]},
+    t5 = write_gguf(
+        tmp_path / "t5.gguf", {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]}
     )
-    with pytest.raises(InvalidConfig, match="GGUF tokenizer model 'llama' is not supported"):
-        Tokenizer.from_pretrained(spm)
+    with pytest.raises(InvalidConfig, match="GGUF tokenizer model 't5' is not supported"):
+        Tokenizer.from_pretrained(t5)
     none = write_gguf(tmp_path / "none.gguf", {"general.architecture": "llama"})
     with pytest.raises(InvalidConfig, match="holds no tokenizer"):
         Tokenizer.from_pretrained(none)
@@ -164,23 +181,31 @@ def test_refusals(tmp_path, gguf_tok):
         Tokenizer.from_pretrained(cut)
 
 
-def test_tiny_gguf_with_bos_added(tmp_path):
-    tokens = ["<s>", "</s>", "a", "b", "ab", "Ġ", "Ġab", "<tool>"]
-    path = write_gguf(
-        tmp_path / "tiny.gguf",
-        {
-            "tokenizer.ggml.model": "gpt2",
-            "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": [3, 3, 1, 1, 1, 1, 1, 4],
-            "tokenizer.ggml.merges": ["a b", "Ġ ab"],
-            "tokenizer.ggml.bos_token_id": 0,
-            "tokenizer.ggml.eos_token_id": 1,
-        },
-    )
-    tok = Tokenizer.from_pretrained(path)  # add_bos_token absent: True, as in transformers
-    assert tok.encode("ab ab<tool>b") == [0, 4, 6, 7, 3]
-    assert tok.token_strings([0, 4, 6, 7]) == ["<s>", "ab", " ab", "<tool>"]
+def test_tiny_gguf_flags_and_spelling(tmp_path):
+    tokens = ["<s>", "</s>", "a", "b", "ab", "Ġ", "Ġab", "<tool>", " x", "<ctl é>"]
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 1, 1, 1, 1, 1, 4, 1, 3],
+        "tokenizer.ggml.merges": ["a b", "Ġ ab"],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": True,
+    }
+    tok = Tokenizer.from_pretrained(write_gguf(tmp_path / "tiny.gguf", meta))
+    assert tok.encode("ab ab<tool>b") == [0, 4, 6, 7, 3, 1]
+    assert tok.token_strings([0, 4, 6, 7, 8]) == ["<s>", "ab", " ab", "<tool>", " x"]
     assert tok.decode([0, 4, 6, 1], skip_special_tokens=True) == "ab ab"
+    # a control token spelled outside the byte alphabet is not added whole (transformers 5)
+    assert 9 not in tok.encode("<ctl é>")
+    del meta["tokenizer.ggml.add_bos_token"], meta["tokenizer.ggml.add_eos_token"]
+    plain = Tokenizer.from_pretrained(write_gguf(tmp_path / "plain.gguf", meta))
+    assert plain.encode("ab") == [4]  # no flags: nothing added
+    meta["tokenizer.ggml.pre"] = "llama-bpe"  # a named split: digits in threes
+    digits = Tokenizer.from_pretrained(write_gguf(tmp_path / "digits.gguf", meta))
+    assert digits._backend.pre_tokenizer.pre_tokenize_str("12345")[0][0] == "123"
+    assert plain._backend.pre_tokenizer.pre_tokenize_str("12345")[0][0] == "12345"
 
 
 def test_missing_tokenizers_names_the_extra(monkeypatch, tmp_path):

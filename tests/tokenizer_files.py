@@ -27,8 +27,8 @@ def smollm2_gguf() -> Path:
 
 
 def write_gguf(path: Path, meta: dict[str, object]) -> Path:
-    """A GGUF v3 file with `meta` (str, int as u32, bool, list[str] / list[int] as i32) and no
-    tensors."""
+    """A GGUF v3 file with `meta` (str, int as u32, float as f32, bool, lists of str, i32 or
+    f32) and no tensors."""
     out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, 0, len(meta)))
 
     def string(s: str) -> bytes:
@@ -45,6 +45,10 @@ def write_gguf(path: Path, meta: dict[str, object]) -> Path:
             out += struct.pack("<I", 8) + string(value)
         elif isinstance(value, list) and all(isinstance(v, str) for v in value):
             out += struct.pack("<IIQ", 9, 8, len(value)) + b"".join(string(v) for v in value)
+        elif isinstance(value, list) and any(isinstance(v, float) for v in value):
+            out += struct.pack(f"<IIQ{len(value)}f", 9, 6, len(value), *value)
+        elif isinstance(value, float):
+            out += struct.pack("<If", 6, value)
         elif isinstance(value, list):
             out += struct.pack(f"<IIQ{len(value)}i", 9, 5, len(value), *value)
         else:
