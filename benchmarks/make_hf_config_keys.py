@@ -16,8 +16,9 @@ What it records, per transformers version, merged (the output says which version
   dataclass fields and properties, what a default instance serialises), the generation
   parameters older configs carry (`GenerationConfig`'s defaults, 4.x's
   `_get_global_generation_defaults`), and the keys transformers' GGUF reader writes from a
-  file's `general.*` / `tokenizer.*` metadata (`_model_name_or_path`, `unk_token_id`...). hf/config.py still refuses, by name, the few of
-  them whose value changes the forward (it checks those first).
+  file's `general.*` / `tokenizer.*` metadata (`_model_name_or_path`, `unk_token_id`...).
+  hf/config.py still refuses, by name, the few of them whose value changes the forward (it
+  checks those first).
 - `UNREAD[architecture]`: the architecture's own config keys (its config class's attributes,
   plus keys real published configs carry that the class does not define, listed in `PUBLISHED`
   below with where they come from) that its modelling code never reads: not in
