@@ -70,8 +70,9 @@ def default_model() -> str:
     return str(files[0])
 
 
-def build(args: argparse.Namespace) -> tuple[EngineConfig, object, str]:
-    """(engine config, tokenizer or None, served model name) from the flags."""
+def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
+    """(engine config, served model name) from the flags. The tokenizer is the engine's
+    (`EngineConfig(tokenizer=)`: --tokenizer, else the checkpoint's own, else none)."""
     path = args.model or default_model()
     model: SimModel | PaddleModel
     if path == "sim":
@@ -84,7 +85,6 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, object, str]:
     else:
         model = PaddleModel.from_pretrained(path)
         name = Path(path).name.removesuffix(".gguf")
-    tokenizer = load_tokenizer(args.tokenizer or (None if path == "sim" else path))
     config = EngineConfig(
         model=model,
         num_workers=args.workers,
@@ -95,21 +95,9 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, object, str]:
         max_batch_size=args.max_batch_size,
         max_pending=args.max_pending,
         max_prompt_tokens=args.max_prompt_tokens,
+        tokenizer=args.tokenizer,
     )
-    return config, tokenizer, args.served_model_name or name
-
-
-def load_tokenizer(path: str | None) -> object:
-    """The tokenizer at `path` (a tokenizer.json directory or a .gguf), or None when there is
-    none: the server then takes token-id prompts only."""
-    if path is None:
-        return None
-    p = Path(path)
-    if p.is_dir() and not (p / "tokenizer.json").is_file():
-        return None
-    from aioprefill.tokenizer import Tokenizer  # type: ignore[import-not-found,unused-ignore]
-
-    return Tokenizer.from_pretrained(path)
+    return config, args.served_model_name or name
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     from aioprefill.serve.routes import ServeSettings
 
     try:
-        config, tokenizer, name = build(args)
+        config, name = build(args)
     except (ValueError, OSError) as exc:  # InvalidConfig, a missing file: say it plainly
         raise SystemExit(f"aioprefill-serve: {exc}") from None
     settings = ServeSettings(
@@ -128,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         max_prompts=args.max_prompts_per_request,
         max_body_bytes=args.max_body_bytes,
     )
-    app = App(config, tokenizer, settings)  # type: ignore[arg-type]
+    app = App(config, settings)
     if args.server.startswith("granian"):
         from aioprefill.serve.fronts import run_granian
 

@@ -27,7 +27,6 @@ from typing import Any
 from aioprefill.config import EngineConfig
 from aioprefill.loop import Engine
 from aioprefill.serve.errors import HTTPError, error_body, error_status
-from aioprefill.serve.prompts import TokenizerLike
 from aioprefill.serve.routes import ServeSettings, Service
 
 __all__ = ["App"]
@@ -40,14 +39,11 @@ _MAX_REQUEST_ID = 128
 
 
 class App:
-    """`App(config, tokenizer, settings)` is the ASGI callable; the engine lives in its
+    """`App(config, settings)` is the ASGI callable; the engine lives in its
     lifespan."""
 
-    def __init__(
-        self, config: EngineConfig, tokenizer: TokenizerLike | None, settings: ServeSettings
-    ) -> None:
+    def __init__(self, config: EngineConfig, settings: ServeSettings) -> None:
         self.config = config
-        self.tokenizer = tokenizer
         self.settings = settings
         self.service: Service | None = None
         self.answers: Counter[tuple[str, int]] = Counter()  # (route, status) -> count
@@ -223,7 +219,7 @@ class App:
     async def running(self) -> AsyncIterator[None]:
         """The engine started and served from, closed (draining) at exit."""
         async with Engine(self.config) as engine:
-            self.service = Service(engine, self.tokenizer, self.settings)
+            self.service = Service(engine, engine.tokenizer, self.settings)
             self._registry = _registry(engine, self.answers)
             try:
                 yield
