@@ -10,5 +10,6 @@
 | `prompts.py` | a request's prompt(s) as checked token-id prompts |
 | `schemas.py` | request and response bodies as msgspec Structs |
 | `errors.py` | aioprefill's errors as HTTP statuses and OpenAI error objects |
-| `fronts.py` | running the app under uvicorn or granian |
+| `fronts.py` | running the app under uvicorn or granian (ASGI or RSGI) |
+| `rsgi.py` | the app under granian's RSGI interface |
 """
