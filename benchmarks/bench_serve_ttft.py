@@ -33,7 +33,8 @@ async def run(args: argparse.Namespace) -> None:
     port = free_port()
     sim = ["--sim-fixed-ms", "5", "--sim-per-token-us", "0"] if path == "sim" else []
     server = subprocess.Popen(
-        [sys.executable, "-m", "aioprefill.serve", "--model", path, *sim, "--port", str(port)],
+        [sys.executable, "-m", "aioprefill.serve", "--model", path, *sim, "--port", str(port),
+         "--server", args.server],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
     )  # fmt: skip
     rng = random.Random(0)
@@ -75,7 +76,7 @@ async def run(args: argparse.Namespace) -> None:
     e50, h50 = statistics.median(embedded), statistics.median(http)
     diffs = sorted(h - e for h, e in zip(http, embedded, strict=True))
     print(f"{args.requests} requests of {args.tokens} tokens, alternating, one at a time; "
-          f"model {path}")  # fmt: skip
+          f"model {path}; server {args.server}")  # fmt: skip
     print(f"embedded Engine.prefill  p50 {e50:7.2f} ms  p90 {_p(embedded, 0.9):7.2f} ms")
     print(f"HTTP /v1/completions     p50 {h50:7.2f} ms  p90 {_p(http, 0.9):7.2f} ms")
     print(f"HTTP adds: {h50 - e50:+.2f} ms at p50 (median of paired differences "
@@ -91,6 +92,7 @@ def main() -> None:
     p.add_argument(
         "--model", default=None, help="checkpoint dir, .gguf (default: SmolLM2), or 'sim'"
     )
+    p.add_argument("--server", default="uvicorn", help="the serve process's --server")
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--tokens", type=int, default=64)
     uvloop.run(run(p.parse_args()))
