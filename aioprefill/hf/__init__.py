@@ -1,5 +1,6 @@
-"""The Hugging Face boundary: the only package that knows `config.json` keys (`hf.config`) and
-checkpoint tensor names (`hf.tensors`). `PaddleModel.from_pretrained` lands here."""
+"""The Hugging Face boundary: the only package that knows `config.json` keys (`hf.config`),
+checkpoint tensor names (`hf.tensors`) and GGUF files (`hf.gguf`, `hf.gguf_file`).
+`PaddleModel.from_pretrained` lands here."""
 
 from __future__ import annotations
 

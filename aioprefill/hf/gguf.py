@@ -219,7 +219,7 @@ def log_size(header: GGUFHeader, dtype: str) -> None:
     size = sum(t.nbytes for t in header.tensors.values())
     full = dequantized_bytes(header, dtype)
     log.info(
-        "%s: %.0f MiB of weights in the file, %.0f MiB dequantized to %s (%.1fx)",
+        "%s: %.1f MiB of weights in the file, %.1f MiB dequantized to %s (%.1fx)",
         header.path,
         size / 2**20,
         full / 2**20,

