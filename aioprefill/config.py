@@ -19,6 +19,7 @@ from aioprefill.models import (
     _require,
 )
 from aioprefill.parallel import check_parallel
+from aioprefill.transfer.options import KV_TRANSFER_BACKENDS, TransferOptions
 
 __all__ = [
     "ARCHITECTURES",
@@ -48,6 +49,23 @@ def _require_paddle_installed() -> None:
         "EngineConfig.model",
         f"PaddleModel needs {' and '.join(missing)}, not installed here: {PADDLE_EXTRA_HINT}",
     )
+
+
+def _check_kv_transfer(kind: object, options: object) -> None:
+    _require(
+        kind is None or kind in KV_TRANSFER_BACKENDS,
+        "EngineConfig.kv_transfer",
+        f"must be None or one of {', '.join(KV_TRANSFER_BACKENDS)}; got {kind!r}",
+    )
+    _require(
+        isinstance(options, TransferOptions),
+        "EngineConfig.kv_transfer_options",
+        f"must be aioprefill.transfer.TransferOptions(...), got {type(options).__name__}",
+    )
+    if kind is not None:  # InvalidConfig naming the extra (and libibverbs1) when missing
+        from aioprefill.transfer.backend import load_mooncake
+
+        load_mooncake()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -87,6 +105,10 @@ class EngineConfig:
     # Shared memory that KV exports (return_kv=True) may hold: requests in flight plus handles
     # not yet closed. Past it, return_kv requests raise KVBudgetExceeded.
     max_kv_export_bytes: int = 2 << 30
+    # "mooncake": every KV export is registered with a Mooncake transfer engine and
+    # `kv.transfer_params()` tells a decode node how to pull it (aioprefill.transfer).
+    kv_transfer: str | None = None
+    kv_transfer_options: TransferOptions = field(default_factory=TransferOptions)
 
     def __post_init__(self) -> None:
         _require(
@@ -149,6 +171,7 @@ class EngineConfig:
             self.model, self.num_workers, self.tp_size, self.expert_parallel, self.policy
         )
         _positive_int(self.max_kv_export_bytes, "EngineConfig.max_kv_export_bytes", allow_zero=True)
+        _check_kv_transfer(self.kv_transfer, self.kv_transfer_options)
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(
