@@ -10,6 +10,7 @@ engine that is gone, refuses the read or does not answer within `timeout_s`: `Tr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -91,11 +92,17 @@ def _ranges(reads: _Reads) -> list[tuple[int, int]]:
     return [(start, end - start) for start, end in merged]
 
 
-def _check_entry(worker: Worker, p: TransferParams) -> None:
-    """Read the export's id-table entry; raise unless it still names this export."""
+def _check_entry(worker: Worker, p: TransferParams, *, tries: int = 1) -> None:
+    """Read the export's id-table entry; raise unless it still names this export. After a
+    refused read Mooncake's TCP session to that peer may fail the next request while it
+    reconnects, so the error path (`tries` > 1) reads again, backing off."""
     te = worker.local.engine
-    if te.transfer_sync_read(p.session, worker.scratch_ptr, p.id_addr, ENTRY_BYTES) != 0:
-        raise TransferError(f"the prefill engine at {p.session} is unreachable or refused")
+    for attempt in range(tries):
+        if te.transfer_sync_read(p.session, worker.scratch_ptr, p.id_addr, ENTRY_BYTES) == 0:
+            break
+        if attempt + 1 == tries:
+            raise TransferError(f"the prefill engine at {p.session} is unreachable or refused")
+        time.sleep(0.02 * 3**attempt)
     export_id, addr, nbytes, _ = worker.scratch[:ENTRY_BYTES].view("<u8").tolist()
     if export_id != p.id_value:
         raise KVExportClosed(
@@ -117,7 +124,7 @@ def _pull(worker: Worker, p: TransferParams, reads: _Reads) -> None:
     finally:
         for at in registered:
             te.unregister_memory(at)
-    _check_entry(worker, p)  # after the data: the seqlock's second read
+    _check_entry(worker, p, tries=1 if rc == 0 else 4)  # after the data: the seqlock's check
     if rc != 0:
         raise TransferError(f"the prefill engine at {p.session} refused the read ({rc})")
 
@@ -150,7 +157,7 @@ def pull_kv(params: Any, *, into: Into | None = None, timeout_s: float = 30.0) -
 
 def _release(worker: Worker, p: TransferParams) -> bool:
     try:
-        _check_entry(worker, p)
+        _check_entry(worker, p, tries=2)
     except KVExportClosed:
         return False
     worker.scratch[:8].view("<u8")[0] = p.id_value
