@@ -20,15 +20,16 @@ calls these hooks):
 
 from __future__ import annotations
 
+import _posixshmem
 import asyncio
 import mmap
+import os
 import secrets
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aioprefill.errors import KVExportClosed, TransferError
-from aioprefill.shm.segments import attach_segment
 from aioprefill.transfer.backend import address_of, new_engine
 from aioprefill.transfer.idtable import IdTable
 from aioprefill.transfer.options import TransferOptions
@@ -41,6 +42,17 @@ __all__ = ["TransferRegistry"]
 
 SWEEP_S = 0.5  # how often released / expired exports are closed while any is registered
 UNMAP_GRACE_S = 2.0  # a deregistered export's mapping outlives its registration this long
+
+
+def _map_lazily(name: str, nbytes: int) -> mmap.mmap:
+    """The export's first `nbytes` of its segment, mapped without MAP_POPULATE: prefaulting
+    16 MiB costs milliseconds on the event loop (measured in benchmarks/bench_kv_transfer.py),
+    while the transfer engine's own threads fault the pages in as they read them."""
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
 
 
 @dataclass(slots=True, eq=False)
@@ -87,7 +99,7 @@ class TransferRegistry:
         `transfer_params()` then raises TransferError."""
         self.start()
         assert self._table is not None
-        mm = attach_segment(handle.name)
+        mm = _map_lazily(handle.name, handle.nbytes)
         addr = address_of(mm)
         if self._engine.register_memory(addr, handle.nbytes) != 0:
             mm.close()
