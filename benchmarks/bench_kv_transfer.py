@@ -10,6 +10,7 @@
    - `pull`: `pull_kv(params)` (a fresh destination, registered and deregistered, one read,
      then the 32-byte id check);
    - `pull_into`: `pull_kv(params, into=(keys, values))` into preallocated arrays (two reads);
+   - `into_inline`: the same with `timeout_s=None` (the read in the calling thread);
    - `per_layer`: `pull_kv(params, into=[(k_l, v_l) ...])`: 64 reads in one batch.
    Medians (and p90) over `--repeats` rounds after two warm-up rounds; `x raw` is the faster
    raw mode's median time over the mode's.
@@ -44,7 +45,7 @@ SPEC = PaddleModel(
     num_layers=32, num_heads=32, num_kv_heads=8, hidden_size=4096, dtype="bfloat16",
     intermediate_size=14336, vocab_size=128256,
 )  # fmt: skip
-MODES = ("raw", "raw_sliced", "pull", "pull_into", "per_layer")
+MODES = ("raw", "raw_sliced", "pull", "pull_into", "into_inline", "per_layer")
 
 
 def _decode(repeats: int) -> None:
@@ -76,6 +77,9 @@ def _decode(repeats: int) -> None:
             ),
             "pull": lambda params=params: pull_kv(params),
             "pull_into": lambda params=params, k=keys, v=values: pull_kv(params, into=(k, v)),
+            "into_inline": lambda params=params, k=keys, v=values: pull_kv(
+                params, into=(k, v), timeout_s=None
+            ),
             "per_layer": lambda params=params, ls=layers: pull_kv(params, into=ls),
         }
         times: dict[str, list[float]] = {m: [] for m in MODES}

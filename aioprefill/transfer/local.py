@@ -21,22 +21,29 @@ import numpy as np
 
 from aioprefill.transfer.backend import new_engine
 
-__all__ = ["LocalEngine", "local_engine"]
+__all__ = ["LocalEngine", "Scratch", "local_engine"]
 
 HOST_ENV = "AIOPREFILL_TRANSFER_HOST"  # the decode side's own address (default loopback)
 SCRATCH_BYTES = 64
 
-Job = Callable[["Worker"], Any]
+Job = Callable[["Scratch"], Any]
 
 
-class Worker:
-    """A daemon thread running jobs; `scratch`: its registered 64-byte buffer."""
+class Scratch:
+    """What a job runs with: the engine and a registered 64-byte buffer of its own thread."""
 
     def __init__(self, local: LocalEngine) -> None:
         self.local = local
         self.scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
         self.scratch_ptr = int(self.scratch.ctypes.data)
         local.engine.register_memory(self.scratch_ptr, SCRATCH_BYTES)
+
+
+class Worker(Scratch):
+    """A daemon thread running jobs."""
+
+    def __init__(self, local: LocalEngine) -> None:
+        super().__init__(local)
         self.jobs: queue.SimpleQueue[tuple[Job, Future[Any]]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="aioprefill-kv-pull", daemon=True).start()
 
@@ -58,6 +65,14 @@ class LocalEngine:
         self.engine, self.session = new_engine(os.environ.get(HOST_ENV, "127.0.0.1"), protocol)
         self._idle: list[Worker] = []
         self._lock = threading.Lock()
+        self._inline = threading.local()
+
+    def run_inline(self, job: Job) -> Any:
+        """Run `job` in the calling thread (no timeout: the caller chose to wait)."""
+        scratch = getattr(self._inline, "scratch", None)
+        if scratch is None:
+            scratch = self._inline.scratch = Scratch(self)
+        return job(scratch)
 
     def submit(self, job: Job) -> Future[Any]:
         with self._lock:

@@ -21,7 +21,7 @@ import numpy as np
 
 from aioprefill.errors import InvalidRequest, KVExportClosed, TransferError
 from aioprefill.transfer.idtable import ENTRY_BYTES
-from aioprefill.transfer.local import Worker, local_engine
+from aioprefill.transfer.local import Scratch, local_engine
 from aioprefill.transfer.params import TransferParams, parse_params
 
 __all__ = ["SLICE_BYTES", "PulledKV", "pull_kv", "release_kv", "sliced"]
@@ -108,7 +108,7 @@ def _ranges(reads: _Reads) -> list[tuple[int, int]]:
     return [(start, end - start) for start, end in merged]
 
 
-def _check_entry(worker: Worker, p: TransferParams, *, tries: int = 1) -> None:
+def _check_entry(worker: Scratch, p: TransferParams, *, tries: int = 1) -> None:
     """Read the export's id-table entry; raise unless it still names this export. After a
     refused read Mooncake's TCP session to that peer may fail the next request while it
     reconnects, so the error path (`tries` > 1) reads again, backing off."""
@@ -128,7 +128,7 @@ def _check_entry(worker: Worker, p: TransferParams, *, tries: int = 1) -> None:
         raise InvalidRequest(f"transfer params do not match KV export {p.export_id}")
 
 
-def _pull(worker: Worker, p: TransferParams, reads: _Reads) -> None:
+def _pull(worker: Scratch, p: TransferParams, reads: _Reads) -> None:
     te = worker.local.engine
     registered = [at for at, n in _ranges(reads) if te.register_memory(at, n) == 0]
     reads = sliced(reads)
@@ -146,9 +146,11 @@ def _pull(worker: Worker, p: TransferParams, reads: _Reads) -> None:
         raise TransferError(f"the prefill engine at {p.session} refused the read ({rc})")
 
 
-def _run(p: TransferParams, job: Any, timeout_s: float) -> Any:
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise InvalidRequest(f"timeout_s must be a number > 0, got {timeout_s!r}")
+def _run(p: TransferParams, job: Any, timeout_s: float | None) -> Any:
+    if timeout_s is None:
+        return local_engine(p.protocol).run_inline(job)
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise InvalidRequest(f"timeout_s must be None or a number > 0, got {timeout_s!r}")
     future = local_engine(p.protocol).submit(job)
     try:
         return future.result(timeout_s)
@@ -158,13 +160,14 @@ def _run(p: TransferParams, job: Any, timeout_s: float) -> Any:
         ) from None
 
 
-def pull_kv(params: Any, *, into: Into | None = None, timeout_s: float = 30.0) -> PulledKV:
+def pull_kv(params: Any, *, into: Into | None = None, timeout_s: float | None = 30.0) -> PulledKV:
     """Pull a KV export described by `params` (`KVExport.transfer_params()`, a dict or its
     JSON). `into`: write into the caller's arrays instead of new ones, either a `(keys,
     values)` pair shaped like the export or one `(keys, values)` pair per layer, each
     `[num_kv_heads, num_tokens, head_dim]` (e.g. views into a paged cache); C-contiguous, of
     the export's dtype. If the pull times out, a read still in flight may write into them
-    later (until the prefill engine answers or dies)."""
+    later (until the prefill engine answers or dies). `timeout_s=None`: no timeout, and the
+    read runs in the calling thread (saves a thread hand-off per pull)."""
     p = parse_params(params)
     reads, keys, values = _plan(p, into)
     _run(p, lambda worker: _pull(worker, p, reads), timeout_s)
@@ -172,7 +175,7 @@ def pull_kv(params: Any, *, into: Into | None = None, timeout_s: float = 30.0) -
     return PulledKV(keys, values, layout.shape, layout.dtype, p.export_id, p.nbytes)
 
 
-def _release(worker: Worker, p: TransferParams) -> bool:
+def _release(worker: Scratch, p: TransferParams) -> bool:
     try:
         _check_entry(worker, p, tries=2)
     except KVExportClosed:
@@ -184,7 +187,7 @@ def _release(worker: Worker, p: TransferParams) -> bool:
     return True
 
 
-def release_kv(params: Any, *, timeout_s: float = 30.0) -> bool:
+def release_kv(params: Any, *, timeout_s: float | None = 30.0) -> bool:
     """Tell the prefill engine that this export may go (it closes it within ~0.5 s, or at
     once when it needs the room). False when it was already closed. Without it the export
     lives until the prefill side closes it or its `export_ttl_s` passes."""

@@ -73,8 +73,9 @@ async def test_forged_and_malformed_params_raise_typed_errors():
                 pull_kv(bad)
             with pytest.raises(InvalidRequest):
                 release_kv(bad)
-        with pytest.raises(InvalidRequest):
-            pull_kv(p, timeout_s=0)
+        for timeout in (0, -1.0, True, "1"):
+            with pytest.raises(InvalidRequest):
+                pull_kv(p, timeout_s=timeout)
         # well formed but naming memory that is not this export's
         other = await engine.prefill(list(range(1, 33)), return_kv=True)
         q = other.kv.transfer_params()

@@ -70,7 +70,7 @@ async def test_pull_into_caller_buffers_whole_or_layer_by_layer():
         r = await engine.prefill(list(range(3, 30)), return_kv=True)
         params = r.kv.transfer_params()
         keys, values = np.zeros(r.kv.shape, np.float32), np.zeros(r.kv.shape, np.float32)
-        kv = await asyncio.to_thread(pull_kv, params, into=(keys, values))
+        kv = await asyncio.to_thread(pull_kv, params, into=(keys, values), timeout_s=None)
         assert kv.keys is keys and np.array_equal(keys, r.kv.keys)
         assert np.array_equal(values, r.kv.values)
         # a paged cache: one (keys, values) destination per layer, anywhere in memory
@@ -144,4 +144,24 @@ async def test_transfer_params_need_kv_transfer():
         r = await engine.prefill([1, 2, 3], return_kv=True)
         with pytest.raises(InvalidRequest, match="kv_transfer"):
             r.kv.transfer_params()
+        r.kv.close()
+
+
+def test_long_reads_are_sliced_without_gaps():
+    from aioprefill.transfer.pull import sliced
+
+    reads = [(1000, 5000, 10), (0, 77, 25)]
+    out = sliced(reads, piece=4)
+    assert [n for *_, n in out] == [4, 4, 2, 4, 4, 4, 4, 4, 4, 1]
+    assert out[:3] == [(1000, 5000, 4), (1004, 5004, 4), (1008, 5008, 2)]
+    assert sliced([(0, 0, 8)], piece=8) == [(0, 0, 8)]
+
+
+@pytest.mark.asyncio
+async def test_an_export_larger_than_a_slice_pulls_whole():
+    async with Engine(transfer_config(max_batch_tokens=32768)) as engine:
+        r = await engine.prefill([i % 30000 + 1 for i in range(20000)], return_kv=True)
+        assert r.kv.nbytes > 4 << 20  # more than one 4 MiB slice
+        kv = await asyncio.to_thread(pull_kv, r.kv.transfer_params())
+        assert np.array_equal(kv.keys, r.kv.keys) and np.array_equal(kv.values, r.kv.values)
         r.kv.close()
