@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 from typing import Any
 
 from aioprefill.errors import InvalidConfig, TransferError
@@ -26,7 +27,11 @@ TRANSFER_EXTRA_HINT = (
 def load_mooncake() -> Any:
     """`mooncake.engine`, or InvalidConfig naming what to install. The wheel links libibverbs
     even for TCP, so without Debian's libibverbs1 the import itself fails (OSError/ImportError
-    naming libibverbs.so.1)."""
+    naming libibverbs.so.1). Its log level is read once, at load: unless MC_LOG_LEVEL says
+    otherwise, only errors (a dozen info lines per engine start otherwise)."""
+    quiet = "MC_LOG_LEVEL" not in os.environ  # read once, at load: info lines by default
+    if quiet:
+        os.environ["MC_LOG_LEVEL"] = "ERROR"
     try:
         import mooncake.engine as engine
     except (ImportError, OSError) as exc:
@@ -34,6 +39,9 @@ def load_mooncake() -> Any:
             f"EngineConfig.kv_transfer: Mooncake's transfer engine cannot be imported ({exc}): "
             f"{TRANSFER_EXTRA_HINT}"
         ) from exc
+    finally:
+        if quiet:
+            del os.environ["MC_LOG_LEVEL"]
     return engine
 
 

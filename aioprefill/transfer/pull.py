@@ -81,7 +81,10 @@ def _plan(p: TransferParams, into: Into | None) -> tuple[_Reads, Any, Any]:
         )
     per = p.values_offset // layout.num_layers
     reads: _Reads = []
-    for i, (k, v) in enumerate(layers):
+    for i, pair in enumerate(layers):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise InvalidRequest(f"pull_kv into: layer {i} must be a (keys, values) pair")
+        k, v = pair
         reads.append((_dest(k, layout.shape[1:], dt, f"layer {i} keys"), p.addr + i * per, per))
         at = p.addr + p.values_offset + i * per
         reads.append((_dest(v, layout.shape[1:], dt, f"layer {i} values"), at, per))

@@ -99,13 +99,21 @@ class TransferRegistry:
         `transfer_params()` then raises TransferError."""
         self.start()
         assert self._table is not None
-        mm = _map_lazily(handle.name, handle.nbytes)
+        try:
+            mm = _map_lazily(handle.name, handle.nbytes)
+        except OSError:
+            return
         addr = address_of(mm)
         if self._engine.register_memory(addr, handle.nbytes) != 0:
             mm.close()
             return
         export_id = secrets.randbits(64) or 1
-        slot = self._table.take(export_id, addr, handle.nbytes)
+        try:
+            slot = self._table.take(export_id, addr, handle.nbytes)
+        except TransferError:  # the table could not grow
+            self._engine.unregister_memory(addr)
+            mm.close()
+            return
         ttl = self.options.export_ttl_s
         expires = None if ttl is None else time.monotonic() + ttl
         layout = handle.layout

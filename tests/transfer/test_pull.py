@@ -84,6 +84,8 @@ async def test_pull_into_caller_buffers_whole_or_layer_by_layer():
             (keys[:, :, ::2], values),
             (keys[:1], values[:1]),
             layers[:-1],
+            [keys, values],  # whole arrays, but as a list: read as layers, refused
+            [(keys[i],) for i in range(len(keys))],
         ]
         for into in bad:
             with pytest.raises(InvalidRequest):
