@@ -2,7 +2,9 @@
 PaddleModel.from_pretrained) pulled by another process with `pull_kv(params)` alone equals the
 local export bit for bit and the float64 reference's K/V, and one decode step that reads only
 the pulled KV gives the next-token logits of a full prefill of prompt + token (the float64
-reference's and the engine's own), whole and chunked prompts."""
+reference's and the engine's own), whole and chunked prompts. transformers' own
+`past_key_values` and decode-step logits for the same prompts (kv_golden.npz, made by
+benchmarks/make_kv_goldens.py) are checked too."""
 
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ async def test_pulled_kv_of_a_real_checkpoint_decodes_like_a_full_prefill(tmp_pa
     model = PaddleModel.from_pretrained(DATA / NAME, device="cpu")
     w64 = as64(load_file(str(DATA / NAME / "model.safetensors")))
     ps = expected(NAME)["prompts"]
-    prompts = [ps[2], ps[5], max(ps, key=len)]
+    prompts = [ps[2], ps[5], max(ps, key=len)]  # as benchmarks/make_kv_goldens.py
+    hf = np.load(DATA / NAME / "kv_golden.npz")
     config = EngineConfig(model=model, kv_transfer="mooncake", max_batch_tokens=16)
     async with Engine(config) as engine:
         rs = await asyncio.gather(*(engine.prefill(p, return_kv=True) for p in prompts))
@@ -66,14 +69,20 @@ async def test_pulled_kv_of_a_real_checkpoint_decodes_like_a_full_prefill(tmp_pa
             assert np.array_equal(keys, r.kv.keys) and np.array_equal(values, r.kv.values)
             r.kv.close()  # the decode node has its copy
             ref = full(model, w64, np.asarray(p))
-            for got, want in ((keys, ref.keys), (values, ref.values)):
+            assert r.token == int(hf[f"token_{i}"])
+            for got, want in (
+                (keys, ref.keys),
+                (values, ref.values),
+                (keys, hf[f"keys_{i}"]),
+                (values, hf[f"values_{i}"]),
+            ):
                 scale = np.abs(want).max()
                 assert np.abs(got - want).max() <= TOLERANCE * scale
             logits = decode_logits(
                 model, w64, keys.astype(np.float64), values.astype(np.float64), r.token
             )
-            want = full(model, w64, np.asarray([*p, r.token])).logits[-1]
-            assert np.abs(logits - want).max() <= TOLERANCE * np.abs(want).max()
+            for want in (full(model, w64, np.asarray([*p, r.token])).logits[-1], hf[f"logits_{i}"]):
+                assert np.abs(logits - want).max() <= TOLERANCE * np.abs(want).max()
             m = logits.max()
             decoded = logits - m - np.log(np.exp(logits - m).sum())
             prefilled = np.empty(model.vocab_size)
