@@ -21,6 +21,8 @@ the engine's pid, so an engine start removes those of a SIGKILLed engine. `close
 segment for the engine to hand to a later export (its pages already faulted in), unless the
 caller still holds arrays over it. Requests in flight, open exports and kept segments count
 against `EngineConfig.max_kv_export_bytes`; kept ones are unlinked first when room is needed.
+With `EngineConfig(kv_transfer=...)` open exports are also registered with a transfer engine
+(`aioprefill.transfer.registry`, hooked in at open, close, release and close_all).
 """
 
 from __future__ import annotations
