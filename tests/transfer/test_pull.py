@@ -167,3 +167,22 @@ async def test_an_export_larger_than_a_slice_pulls_whole():
         kv = await asyncio.to_thread(pull_kv, r.kv.transfer_params())
         assert np.array_equal(kv.keys, r.kv.keys) and np.array_equal(kv.values, r.kv.values)
         r.kv.close()
+
+
+@pytest.mark.asyncio
+async def test_a_pull_after_the_budget_evicted_the_closed_segment_raises_kv_export_closed():
+    from aioprefill.kv import SIM_KV_LAYOUT
+
+    per_token = SIM_KV_LAYOUT.nbytes(1)
+    async with Engine(transfer_config(max_kv_export_bytes=40 * per_token)) as engine:
+        a = await engine.prefill(list(range(1, 33)), return_kv=True)
+        pa = a.kv.transfer_params()
+        a.kv.close()  # kept for reuse
+        assert engine._kv.pooled_bytes == 32 * per_token
+        b = await engine.prefill(list(range(1, 16)), return_kv=True)  # too small to reuse it:
+        assert b.kv.name != a.kv.name and engine._kv.pooled_bytes == 0  # a's is unlinked
+        with pytest.raises(KVExportClosed):
+            await asyncio.to_thread(pull_kv, pa)
+        assert registered(engine) == 1
+        b.kv.close()
+    assert kv_segments(engine) == []
