@@ -22,6 +22,7 @@
    beside 8 processes that only spin (the CPU contention alone, for comparison).
 
     python benchmarks/bench_kv_transfer.py [--repeats 15] [--sizes 1,16,64] [--seconds 3]
+                                           [--pulls-only]
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--sizes", default="1,16,64", help="export sizes in MiB")
     ap.add_argument("--seconds", type=float, default=3.0, help="per loop-lag phase")
+    ap.add_argument("--pulls-only", action="store_true", help="skip the loop-lag part (3.)")
     ap.add_argument("--decode", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pull-loop", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -242,7 +244,8 @@ def main() -> None:
         _decode(args.repeats)
         return
     throughput([int(s) for s in args.sizes.split(",")], args.repeats)
-    asyncio.run(loop_lag(args.seconds))
+    if not args.pulls_only:
+        asyncio.run(loop_lag(args.seconds))
 
 
 if __name__ == "__main__":
