@@ -46,8 +46,9 @@ UNMAP_GRACE_S = 2.0  # a deregistered export's mapping outlives its registration
 
 def _map_lazily(name: str, nbytes: int) -> mmap.mmap:
     """The export's first `nbytes` of its segment, mapped without MAP_POPULATE: prefaulting
-    16 MiB costs milliseconds on the event loop (measured in benchmarks/bench_kv_transfer.py),
-    while the transfer engine's own threads fault the pages in as they read them."""
+    would cost the event loop time that grows with the size (lazily mapped, registration takes
+    tens of µs whatever the size: benchmarks/bench_kv_transfer.py), while the transfer
+    engine's own threads fault the pages in as they read them."""
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     try:
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
