@@ -33,6 +33,8 @@ _ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE
 # (benchmarks/bench_kv_transfer.py: `raw` against `raw_sliced`).
 SLICE_BYTES = 4 << 20
 
+AFTER_REFUSAL = 6  # entry reads tried after a refused read (backing off 20 ms x 3^k)
+
 Into = tuple[np.ndarray, np.ndarray] | Sequence[tuple[np.ndarray, np.ndarray]]
 _Reads = list[tuple[int, int, int]]  # (local address, remote address, bytes)
 
@@ -114,7 +116,8 @@ def _ranges(reads: _Reads) -> list[tuple[int, int]]:
 def _check_entry(worker: Scratch, p: TransferParams, *, tries: int = 1) -> None:
     """Read the export's id-table entry; raise unless it still names this export. After a
     refused read Mooncake's TCP session to that peer may fail the next request while it
-    reconnects, so the error path (`tries` > 1) reads again, backing off."""
+    reconnects, so the error path (`tries` > 1) reads again, backing off (up to ~2.4 s in
+    all with `AFTER_REFUSAL`: a loaded host reconnects slowly)."""
     te = worker.local.engine
     for attempt in range(tries):
         if te.transfer_sync_read(p.session, worker.scratch_ptr, p.id_addr, ENTRY_BYTES) == 0:
@@ -144,7 +147,7 @@ def _pull(worker: Scratch, p: TransferParams, reads: _Reads) -> None:
     finally:
         for at in registered:
             te.unregister_memory(at)
-    _check_entry(worker, p, tries=1 if rc == 0 else 4)  # after the data: the seqlock's check
+    _check_entry(worker, p, tries=1 if rc == 0 else AFTER_REFUSAL)  # the seqlock's check
     if rc != 0:
         raise TransferError(f"the prefill engine at {p.session} refused the read ({rc})")
 
@@ -180,7 +183,7 @@ def pull_kv(params: Any, *, into: Into | None = None, timeout_s: float | None = 
 
 def _release(worker: Scratch, p: TransferParams) -> bool:
     try:
-        _check_entry(worker, p, tries=2)
+        _check_entry(worker, p, tries=AFTER_REFUSAL)
     except KVExportClosed:
         return False
     worker.scratch[:8].view("<u8")[0] = p.id_value
