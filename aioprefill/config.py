@@ -22,6 +22,7 @@ from aioprefill.models import (
 from aioprefill.parallel import check_parallel
 from aioprefill.text import resolve_tokenizer
 from aioprefill.tokenizer import Tokenizer
+from aioprefill.transfer.options import KV_TRANSFER_BACKENDS, TransferOptions
 
 __all__ = [
     "ARCHITECTURES",
@@ -51,6 +52,23 @@ def _require_paddle_installed() -> None:
         "EngineConfig.model",
         f"PaddleModel needs {' and '.join(missing)}, not installed here: {PADDLE_EXTRA_HINT}",
     )
+
+
+def _check_kv_transfer(kind: object, options: object) -> None:
+    _require(
+        kind is None or kind in KV_TRANSFER_BACKENDS,
+        "EngineConfig.kv_transfer",
+        f"must be None or one of {', '.join(KV_TRANSFER_BACKENDS)}; got {kind!r}",
+    )
+    _require(
+        isinstance(options, TransferOptions),
+        "EngineConfig.kv_transfer_options",
+        f"must be aioprefill.transfer.TransferOptions(...), got {type(options).__name__}",
+    )
+    if kind is not None:  # InvalidConfig naming the extra (and libibverbs1) when missing
+        from aioprefill.transfer.backend import load_mooncake
+
+        load_mooncake()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -93,6 +111,10 @@ class EngineConfig:
     # For str prompts: a Tokenizer, or the path of a checkpoint directory / .gguf file. None:
     # the model's own (a PaddleModel whose weights hold one), else no text prompts.
     tokenizer: Tokenizer | str | os.PathLike[str] | None = None
+    # "mooncake": every KV export is registered with a Mooncake transfer engine and
+    # `kv.transfer_params()` tells a decode node how to pull it (aioprefill.transfer).
+    kv_transfer: str | None = None
+    kv_transfer_options: TransferOptions = field(default_factory=TransferOptions)
 
     def __post_init__(self) -> None:
         _require(
@@ -155,6 +177,7 @@ class EngineConfig:
             self.model, self.num_workers, self.tp_size, self.expert_parallel, self.policy
         )
         _positive_int(self.max_kv_export_bytes, "EngineConfig.max_kv_export_bytes", allow_zero=True)
+        _check_kv_transfer(self.kv_transfer, self.kv_transfer_options)
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(

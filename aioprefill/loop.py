@@ -74,7 +74,8 @@ class Engine(EngineControls):
         # chosen once: no event branches on its name
         policy = policy_class(config.policy, expert_parallel=config.expert_parallel)
         self._sched = Scheduler(budget, staging=policy.staging)
-        self._kv = KVExports(config.model, config.max_kv_export_bytes)
+        transfer = config.kv_transfer_options if config.kv_transfer else None
+        self._kv = KVExports(config.model, config.max_kv_export_bytes, transfer)
         self._outcomes = Outcomes(self._sched, self._pool, self._stats, self._kv)
         self._recovery = Recovery(self._sched, self._outcomes, config.max_retries)
         self._policy = policy(
