@@ -14,7 +14,9 @@ from aioprefill.errors import (
     InvalidConfig,
     InvalidRequest,
     InvalidRequestType,
+    KVExportClosed,
     ProtocolError,
+    TransferError,
     WorkerCrashed,
     WorkerStartFailed,
     WrongLoop,
@@ -23,6 +25,7 @@ from aioprefill.health import EngineHealth
 from aioprefill.loop import Engine
 from aioprefill.result import PrefillResult
 from aioprefill.stats import EngineStats
+from aioprefill.tokenizer import Tokenizer
 
 __all__ = [
     "AioprefillError",
@@ -37,10 +40,13 @@ __all__ = [
     "InvalidConfig",
     "InvalidRequest",
     "InvalidRequestType",
+    "KVExportClosed",
     "PaddleModel",
     "PrefillResult",
     "ProtocolError",
     "SimModel",
+    "Tokenizer",
+    "TransferError",
     "WorkerCrashed",
     "WorkerStartFailed",
     "WrongLoop",

@@ -6,6 +6,7 @@ one raises `InvalidConfig` naming the field.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 
 from aioprefill.checks import finite_nonneg as _finite_nonneg
@@ -13,6 +14,9 @@ from aioprefill.checks import positive_int as _positive_int
 from aioprefill.checks import require as _require
 from aioprefill.models import ARCHITECTURES, ROPE_TYPES, ModelSpec, PaddleModel, SimModel
 from aioprefill.parallel import check_parallel
+from aioprefill.text import resolve_tokenizer
+from aioprefill.tokenizer import Tokenizer
+from aioprefill.transfer.options import KV_TRANSFER_BACKENDS, TransferOptions
 
 __all__ = [
     "ARCHITECTURES",
@@ -42,6 +46,23 @@ def _require_paddle_installed() -> None:
         "EngineConfig.model",
         f"PaddleModel needs {' and '.join(missing)}, not installed here: {PADDLE_EXTRA_HINT}",
     )
+
+
+def _check_kv_transfer(kind: object, options: object) -> None:
+    _require(
+        kind is None or kind in KV_TRANSFER_BACKENDS,
+        "EngineConfig.kv_transfer",
+        f"must be None or one of {', '.join(KV_TRANSFER_BACKENDS)}; got {kind!r}",
+    )
+    _require(
+        isinstance(options, TransferOptions),
+        "EngineConfig.kv_transfer_options",
+        f"must be aioprefill.transfer.TransferOptions(...), got {type(options).__name__}",
+    )
+    if kind is not None:  # InvalidConfig naming the extra (and libibverbs1) when missing
+        from aioprefill.transfer.backend import load_mooncake
+
+        load_mooncake()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -81,6 +102,13 @@ class EngineConfig:
     # Shared memory that KV exports (return_kv=True) may hold: requests in flight plus handles
     # not yet closed. Past it, return_kv requests raise KVBudgetExceeded.
     max_kv_export_bytes: int = 2 << 30
+    # For str prompts: a Tokenizer, or the path of a checkpoint directory / .gguf file. None:
+    # the model's own (a PaddleModel whose weights hold one), else no text prompts.
+    tokenizer: Tokenizer | str | os.PathLike[str] | None = None
+    # "mooncake": every KV export is registered with a Mooncake transfer engine and
+    # `kv.transfer_params()` tells a decode node how to pull it (aioprefill.transfer).
+    kv_transfer: str | None = None
+    kv_transfer_options: TransferOptions = field(default_factory=TransferOptions)
 
     def __post_init__(self) -> None:
         _require(
@@ -143,6 +171,7 @@ class EngineConfig:
             self.model, self.num_workers, self.tp_size, self.expert_parallel, self.policy
         )
         _positive_int(self.max_kv_export_bytes, "EngineConfig.max_kv_export_bytes", allow_zero=True)
+        _check_kv_transfer(self.kv_transfer, self.kv_transfer_options)
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(
@@ -151,6 +180,7 @@ class EngineConfig:
                 f"{self.ring_capacity} bytes cannot hold a full batch; "
                 f"need >= {self.min_ring_capacity()}",
             )
+        self.tokenizer = resolve_tokenizer(self.tokenizer, self.model)
 
     def min_ring_capacity(self) -> int:
         """Bytes one full batch frame can take: int32 tokens + per-request columns + slack."""

@@ -3,9 +3,9 @@
 `Lifecycle` holds the state (new, starting, running, draining, closing, closed; broken) and
 the callers waiting on it (for room under `max_pending`, for the last request to end): the only
 writer of both, moved by the engine's calls. `EngineControls`, a mixin of `Engine`, is
-`is_running`, `health()`, `drain()` and `submit_threadsafe()`, kept apart so the engine file
-stays about scheduling. Like everything in the engine these run on the event loop that started
-it; `submit_threadsafe()` is the one door in from other threads.
+`is_running`, `health()`, `drain()`, `submit_threadsafe()` and `tokenizer`, kept apart so the
+engine file stays about scheduling. Like everything in the engine these run on the event loop
+that started it; `submit_threadsafe()` is the one door in from other threads.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 from aioprefill.affinity import LoopAffinity
 from aioprefill.errors import AioprefillError, EngineClosed
 from aioprefill.health import EngineHealth, health_of
+from aioprefill.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from aioprefill.config import EngineConfig
     from aioprefill.pool.pool import WorkerPool
     from aioprefill.result import PrefillResult
     from aioprefill.scheduler import Scheduler
@@ -137,11 +139,19 @@ class Lifecycle:
 
 
 class EngineControls:
+    config: EngineConfig
     _affinity: LoopAffinity
     _life: Lifecycle
     _pool: WorkerPool
     if TYPE_CHECKING:
         prefill: Callable[..., Coroutine[Any, Any, PrefillResult]]  # Engine's
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer `prefill(str)` uses: `EngineConfig(tokenizer=)`, or the model's own
+        (a checkpoint with tokenizer.json, a .gguf file); None when there is none."""
+        tokenizer = self.config.tokenizer
+        return tokenizer if isinstance(tokenizer, Tokenizer) else None
 
     @property
     def is_running(self) -> bool:

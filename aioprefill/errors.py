@@ -9,7 +9,8 @@ AioprefillError
 ├── EngineClosed(RuntimeError)        the engine is closing, draining or closed
 ├── WrongLoop(RuntimeError)           called from a loop or thread other than the engine's
 ├── DeadlineExceeded(TimeoutError)    a request was not dispatched by its deadline_s
-├── KVExportClosed(ValueError)        a KV export handle was used after close()
+├── KVExportClosed(ValueError)        a KV export handle was used (or pulled) after close()
+├── TransferError(ConnectionError)    a KV transfer failed: engine unreachable, timed out, refused
 ├── WorkerCrashed                     the worker running the request died (after retries)
 ├── WorkerStartFailed                 a worker could not start (or keeps dying)
 ├── ForwardFailed(RuntimeError)       the model raised inside a forward; carries its message
@@ -32,6 +33,7 @@ __all__ = [
     "KVBudgetExceeded",
     "KVExportClosed",
     "ProtocolError",
+    "TransferError",
     "WorkerCrashed",
     "WorkerStartFailed",
     "WrongLoop",
@@ -77,7 +79,13 @@ class DeadlineExceeded(AioprefillError, TimeoutError):
 
 
 class KVExportClosed(AioprefillError, ValueError):
-    """A `KVExport` was read after `close()` (or after its engine closed)."""
+    """A `KVExport` was read after `close()` (or after its engine closed), or a decode node
+    pulled an export that was closed, evicted or expired (`aioprefill.transfer.pull_kv`)."""
+
+
+class TransferError(AioprefillError, ConnectionError):
+    """A KV transfer failed: the prefill engine is unreachable or dead, the pull timed out, or
+    the owner refused the read (parameters that name no registered memory)."""
 
 
 class WorkerCrashed(AioprefillError):

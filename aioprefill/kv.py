@@ -21,6 +21,8 @@ the engine's pid, so an engine start removes those of a SIGKILLed engine. `close
 segment for the engine to hand to a later export (its pages already faulted in), unless the
 caller still holds arrays over it. Requests in flight, open exports and kept segments count
 against `EngineConfig.max_kv_export_bytes`; kept ones are unlinked first when room is needed.
+With `EngineConfig(kv_transfer=...)` open exports are also registered with a transfer engine
+(`aioprefill.transfer.registry`, hooked in at open, close, release and close_all).
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from aioprefill.errors import InvalidRequest, KVBudgetExceeded, KVExportClosed
 from aioprefill.models import ModelSpec, PaddleModel
 from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
+
+if TYPE_CHECKING:
+    from aioprefill.transfer.registry import TransferRegistry
 
 __all__ = ["KVExport", "KVExports", "KVLayout", "KVTicket", "kv_layout"]
 
@@ -153,6 +158,16 @@ class KVExport:
         assert self._values is not None
         return self._values
 
+    def transfer_params(self) -> dict[str, Any]:
+        """What a decode node needs to pull this export with `aioprefill.transfer.pull_kv`:
+        a plain JSON-serialisable dict (session, addresses, layout, export id). Needs
+        `EngineConfig(kv_transfer="mooncake")`; see docs/kv-export.md."""
+        if self.closed:
+            raise KVExportClosed(f"KV export {self.name} is closed")
+        if self._ledger.transfer is None:
+            raise InvalidRequest("transfer_params() needs EngineConfig(kv_transfer='mooncake')")
+        return self._ledger.transfer.params(self)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -188,8 +203,13 @@ class KVExports:
     fits gets its name; kept segments are unlinked first whenever room is needed.
     """
 
-    def __init__(self, model: ModelSpec, max_bytes: int) -> None:
+    def __init__(
+        self, model: ModelSpec, max_bytes: int, transfer: TransferRegistry | None = None
+    ) -> None:
         self.layout = kv_layout(model)
+        # kv_transfer: open exports registered with the engine's transfer engine (made by the
+        # engine and passed in: the transfer package sits above this module)
+        self.transfer = transfer
         self.max_bytes = max_bytes
         self.used_bytes = 0  # in flight + open + kept
         self._open: dict[str, KVExport] = {}
@@ -207,6 +227,10 @@ class KVExports:
     def reserve(self, num_tokens: int) -> KVTicket:
         """Claim budget for a `return_kv` request; raises before anything is queued."""
         nbytes = self.layout.nbytes(num_tokens)
+        if self.transfer is not None:  # started before anything is queued; released and
+            self.transfer.start()  # expired exports give their room back first
+            if self.used_bytes + nbytes > self.max_bytes:
+                self.transfer.sweep()
         if nbytes > self.max_bytes:
             raise InvalidRequest(
                 f"the KV export of a {num_tokens}-token prompt takes {nbytes} bytes, more than "
@@ -235,6 +259,8 @@ class KVExports:
         ticket.state = "open"
         handle = KVExport(ticket, self.layout, self)
         self._open[ticket.name] = handle
+        if self.transfer is not None:
+            self.transfer.register(handle)
         return handle
 
     def recycle(self, ticket: KVTicket, *, reusable: bool) -> None:
@@ -242,6 +268,8 @@ class KVExports:
         if ticket.state != "open":
             return
         self._open.pop(ticket.name, None)
+        if self.transfer is not None:
+            self.transfer.deregister(ticket.name)
         if reusable:
             ticket.state = "pooled"
             self._pool.append((ticket.name, ticket.capacity))
@@ -253,6 +281,8 @@ class KVExports:
         if ticket.state in ("released", "pooled"):
             return
         self._open.pop(ticket.name, None)
+        if self.transfer is not None:
+            self.transfer.deregister(ticket.name)
         ticket.state = "released"
         self._unlink(ticket.name, ticket.capacity, tracked=ticket.tracked)
 
@@ -281,6 +311,8 @@ class KVExports:
         are removed."""
         for handle in list(self._open.values()):
             handle.close()
+        if self.transfer is not None:
+            self.transfer.close()
         while self._pool:
             self._unlink(*self._pool.pop())
         prefix = f"aioprefill-{os.getpid()}-"

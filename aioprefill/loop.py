@@ -39,7 +39,9 @@ from aioprefill.result import PrefillResult
 from aioprefill.scheduler import Scheduler
 from aioprefill.shm.segments import cleanup_stale_segments
 from aioprefill.stats import EngineStats, StatsRecorder
+from aioprefill.text import encode_text
 from aioprefill.timer import LoopTimer
+from aioprefill.transfer.registry import TransferRegistry
 from aioprefill.validate import validate_controls, validate_prompt
 
 __all__ = ["Engine"]
@@ -67,7 +69,8 @@ class Engine(EngineControls):
         # chosen once: no event branches on its name
         policy = policy_class(config.policy, expert_parallel=config.expert_parallel)
         self._sched = Scheduler(budget, staging=policy.staging)
-        self._kv = KVExports(config.model, config.max_kv_export_bytes)
+        transfer = TransferRegistry(config.kv_transfer_options) if config.kv_transfer else None
+        self._kv = KVExports(config.model, config.max_kv_export_bytes, transfer)
         self._outcomes = Outcomes(self._sched, self._pool.free_later, self._stats, self._kv)
         self._recovery = Recovery(self._sched, self._outcomes, config.max_retries)
         self._policy = policy(
@@ -133,6 +136,8 @@ class Engine(EngineControls):
     ) -> PrefillResult:
         """Run the prefill of one prompt; return its greedy next token and timings.
 
+        `tokens`: a list of ids, a 1-D integer array, or a `str` (`engine.tokenizer`'s ids).
+
         Output options (each computed only for the requests that ask): `prompt_logprobs`
         (float32[n-1]), `top_k` alternatives at the last position, `embed="last"|"mean"`
         (final-norm hidden state; `normalize=True` for unit L2 norm), `return_kv` (a
@@ -148,6 +153,8 @@ class Engine(EngineControls):
         self._affinity.check("prefill()")
         validate_controls(deadline_s, request_id)
         try:  # a caller's request_id names the request in these errors too
+            if isinstance(tokens, str):  # long texts are tokenized off the loop
+                tokens = await encode_text(self.tokenizer, tokens)
             self._life.check_open()
             vocab_size = self.config.model.vocab_size
             prompt = validate_prompt(tokens, vocab_size, self.config.max_prompt_tokens or 0)

@@ -224,7 +224,9 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], **overrides: object) -> PaddleModel:
         """The spec of a Hugging Face checkpoint directory (`config.json` plus `model.safetensors`
-        or `model.safetensors.index.json` and its shards), with `weights=` set to it.
+        or `model.safetensors.index.json` and its shards), or of a Llama GGUF file (`*.gguf`:
+        the config from its metadata, quantized tensors dequantized once in each worker at load,
+        into `dtype`; Q4 grows about 8x in float32), with `weights=` set to it.
 
         `overrides` replace fields (`device="cpu"`, `dtype="bfloat16"`, `num_threads=4`, ...)
         and show on the returned spec. An architecture, RoPE type, quantization or any other

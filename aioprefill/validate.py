@@ -38,7 +38,8 @@ def validate_prompt(tokens: Any, vocab_size: int, max_prompt_tokens: int) -> byt
     """
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
-            raise InvalidRequest(f"prompt must be 1-D, got an array of shape {tokens.shape}")
+            hint = ": pass ids[0] for a batch of one" if tokens.shape[:1] == (1,) else ""
+            raise InvalidRequest(f"prompt must be 1-D, got an array of shape {tokens.shape}{hint}")
         if tokens.dtype.kind not in "iu":  # kind "b" (bool) is refused here too
             raise InvalidRequestType(f"prompt ids must be integers, got dtype {tokens.dtype}")
         _check_length(len(tokens), max_prompt_tokens)

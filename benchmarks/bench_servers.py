@@ -111,17 +111,19 @@ class Connection:
     """A bare keep-alive HTTP/1.1 connection: the cheapest client Python has, so the server,
     not the client, is what saturates (aiohttp's client costs more CPU than the servers)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: bytes
+    ) -> None:
+        self.reader, self.writer, self.path = reader, writer, path
 
     @classmethod
-    async def open(cls, port: int) -> Connection:
-        return cls(*await asyncio.open_connection("127.0.0.1", port))
+    async def open(cls, port: int, path: bytes = b"/prefill") -> Connection:
+        return cls(*await asyncio.open_connection("127.0.0.1", port), path)
 
     async def post(self, body: bytes) -> bool:
         self.writer.write(
-            b"POST /prefill HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (self.path, len(body), body)
         )
         head = await self.reader.readuntil(b"\r\n\r\n")
         length = -1
@@ -140,12 +142,12 @@ class Connection:
 class Pool:
     """Idle connections, opened on demand: one per request in flight."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self, port: int, path: bytes = b"/prefill") -> None:
+        self.port, self.path = port, path
         self.idle: list[Connection] = []
 
     async def post(self, body: bytes) -> bool:
-        conn = self.idle.pop() if self.idle else await Connection.open(self.port)
+        conn = self.idle.pop() if self.idle else await Connection.open(self.port, self.path)
         ok = await conn.post(body)
         self.idle.append(conn)
         return ok

@@ -13,18 +13,18 @@ from typing import Any
 import msgspec
 
 from aioprefill import (
-    AioprefillError,
-    DeadlineExceeded,
-    EngineClosed,
     EngineConfig,
     EngineHealth,
-    EngineOverloaded,
     InvalidRequest,
     PaddleModel,
     PrefillResult,
     SimModel,
-    WorkerStartFailed,
 )
+
+# 400 for a bad prompt (the library's message is the body), 429 overloaded, 503 when the engine
+# cannot take it now (closing, no worker), 504 past its deadline_s, 500 when it failed while
+# running: the one mapping, shared with `python -m aioprefill.serve`.
+from aioprefill.serve.errors import error_status as error_status
 
 BODY_HINT = 'the body must be a JSON object like {"tokens": [1, 2, 3]}'
 
@@ -136,16 +136,3 @@ def health_body(h: EngineHealth) -> dict[str, Any]:
     """GET /health: 200 with this body while `h.is_running`, else 503 (draining, closed, or
     every worker given up), so a load balancer stops routing here."""
     return msgspec.to_builtins(h)  # {"is_running", "state", "workers": [{index, state, pid...}]}
-
-
-def error_status(exc: AioprefillError) -> int:
-    """400 for a bad prompt (the library's message is the body), 504 past its deadline_s, 503
-    when the engine cannot take it now (overloaded, closing, no worker), 500 when it failed
-    while running."""
-    if isinstance(exc, InvalidRequest):
-        return 400
-    if isinstance(exc, DeadlineExceeded):
-        return 504  # not dispatched in time: it never ran
-    if isinstance(exc, (EngineOverloaded, EngineClosed, WorkerStartFailed)):
-        return 503
-    return 500

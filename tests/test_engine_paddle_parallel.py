@@ -38,9 +38,11 @@ def same(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> None:
     assert max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)) <= 1e-5
 
 
-async def test_tp2_group_answers_like_one_worker():
+async def test_tp2_group_answers_like_one_worker(capfd: pytest.CaptureFixture[str]):
     batch = prompts(random.randrange(1 << 20))
     same(await answers(SMALL, batch, tp_size=2), await answers(SMALL, batch))
+    # The ranks' TCP store says nothing on the host's stderr (Paddle's glog INFO lines).
+    assert "tcp_store" not in capfd.readouterr().err
 
 
 async def test_ep2_moe_answers_like_the_unsharded_moe():

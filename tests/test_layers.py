@@ -16,10 +16,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aioprefill"
 # Bottom first. A module may import its own layer or any layer below it. A module matches the
 # longest prefix listed (a package's name covers its modules).
 LAYERS: list[tuple[str, list[str]]] = [
-    ("base", ["errors", "checks", "histogram", "timer", "shm"]),
-    ("hf formats", ["hf"]),
-    ("specs", ["models", "parallel", "config"]),
-    ("wire", ["protocol", "kv"]),
+    ("base", ["errors", "optional", "checks", "histogram", "timer", "shm"]),
+    ("file formats", ["hf", "tokenizer", "tokenizer_gguf", "tokenizer_chunks"]),
+    ("specs", ["models", "parallel", "text", "transfer.options", "transfer.backend", "config"]),
+    ("wire", ["protocol", "kv", "transfer"]),
     ("worker process", ["workers"]),
     (
         "engine parts",
@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("pool", ["pool"]),
     ("engine", ["health", "controls", "loop", "metrics", "bench", ""]),
+    ("server", ["serve"]),
 ]
 
 # The one import that runs back up: `PaddleModel.from_pretrained` checks a checkpoint's tensor

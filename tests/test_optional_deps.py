@@ -69,7 +69,15 @@ def test_extras_layout():
     extras = meta["optional-dependencies"]
     assert any(d.startswith("paddlepaddle") for d in extras["paddle"])
     assert any(d.startswith("prometheus-client") for d in extras["prometheus"])
+    assert any(d.startswith("mooncake-transfer-engine-non-cuda") for d in extras["transfer"])
+    assert "mooncake" not in hard
     # dev.py installs [test,bench]: both must bring the real model (the bench's default, and
-    # the model tests) and the exporter.
+    # the model tests); the tests also the exporter and the transfer engine.
     assert "aioprefill[paddle]" in extras["bench"]
     assert "aioprefill[paddle,prometheus]" in extras["test"]
+    assert "aioprefill[serve]" in extras["test"]  # tests/serve/
+    assert {d.split(">")[0] for d in extras["serve"]} >= {"uvicorn", "httptools", "granian"}
+    # text prompts: the tokenizer extra, in the test install too
+    assert any(d.startswith("tokenizers") for d in extras["tokenizer"])
+    assert "aioprefill[tokenizer]" in extras["test"]
+    assert "aioprefill[transfer]" in extras["test"]

@@ -18,10 +18,13 @@ def test_public_names_are_pinned():
             "InvalidConfig",
             "InvalidRequest",
             "InvalidRequestType",
+            "KVExportClosed",
             "PaddleModel",
             "PrefillResult",
             "ProtocolError",
             "SimModel",
+            "Tokenizer",
+            "TransferError",
             "WorkerCrashed",
             "WorkerStartFailed",
             "WrongLoop",
@@ -44,6 +47,8 @@ def test_error_tree():
         err.ProtocolError,
         err.WrongLoop,
         err.DeadlineExceeded,
+        err.KVExportClosed,
+        err.TransferError,
     ):
         assert issubclass(cls, err.AioprefillError)
     assert issubclass(err.InvalidRequest, ValueError)
@@ -51,6 +56,7 @@ def test_error_tree():
     assert issubclass(err.InvalidConfig, ValueError)
     assert issubclass(err.WrongLoop, RuntimeError)  # DESIGN.md: also a RuntimeError
     assert issubclass(err.DeadlineExceeded, TimeoutError)
+    assert issubclass(err.TransferError, ConnectionError)
 
 
 def test_prefill_result_has_the_contract_fields():

@@ -15,6 +15,7 @@ from aioprefill.bench.argtypes import EP_POLICIES, POLICIES, Parser, number
 from aioprefill.bench.options import Options
 from aioprefill.bench.presets import DEFAULT_PRESET, SIM_PRESETS, build_model, model_label
 from aioprefill.bench.traces import TRACE_FORMATS, TraceError, read_trace
+from aioprefill.errors import InvalidConfig
 
 __all__ = [
     "DEFAULT_DURATION_S",
@@ -49,10 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument(
         "--model",
-        choices=("paddle", "sim"),
         default=DEFAULT_MODEL,
-        help="paddle: the tiny PaddleModel(seed=0) on this machine; sim: a cost model "
-        "(default: %(default)s)",
+        metavar="{paddle,sim,PATH}",
+        help="paddle: the tiny PaddleModel(seed=0) on this machine; sim: a cost model; PATH: a "
+        "Hugging Face checkpoint directory or a .gguf file (PaddleModel.from_pretrained; prompts "
+        "drawn from its vocabulary) (default: %(default)s)",
     )
     g.add_argument(
         "--sim-preset",
@@ -230,14 +232,17 @@ def parse_options(argv: list[str] | None = None) -> Options:
     if a.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
         parser.error("argument --loop: uvloop is not installed; use --loop asyncio")
     preset = a.sim_preset or DEFAULT_PRESET
-    model = build_model(
-        a.model,
-        preset,
-        fixed_ms=a.sim_fixed_ms,
-        per_token_us=a.sim_per_token_us,
-        attn_ns=a.sim_attn_ns,
-    )
-    max_len = min(a.max_prompt_len or a.max_batch_tokens, model.max_position_embeddings)
+    try:
+        model = build_model(
+            a.model,
+            preset,
+            fixed_ms=a.sim_fixed_ms,
+            per_token_us=a.sim_per_token_us,
+            attn_ns=a.sim_attn_ns,
+        )
+    except InvalidConfig as exc:
+        parser.error(f"argument --model: {exc}")
+    max_len = min(a.max_prompt_len or a.max_batch_tokens, model.max_prompt_tokens)
     duration = a.duration if a.duration is not None or trace is not None else DEFAULT_DURATION_S
     return Options(
         model=model,

@@ -6,9 +6,10 @@ preset says where its numbers come from; refit them here (and only here) when th
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Final
 
-from aioprefill import PaddleModel, SimModel
+from aioprefill import InvalidConfig, PaddleModel, SimModel
 
 __all__ = ["DEFAULT_PRESET", "SIM_PRESETS", "build_model", "model_label"]
 
@@ -38,9 +39,16 @@ def build_model(
     per_token_us: float | None = None,
     attn_ns: float | None = None,
 ) -> SimModel | PaddleModel:
-    """The model spec for `--model`: `PaddleModel(seed=0)` or a sim preset with overrides."""
+    """The model spec for `--model`: `PaddleModel(seed=0)`, a sim preset with overrides, or a
+    checkpoint directory / `.gguf` file (`PaddleModel.from_pretrained`; `InvalidConfig` when
+    it is neither)."""
     if kind == "paddle":
         return PaddleModel(seed=0)
+    if kind != "sim":
+        path = Path(kind)
+        if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+            raise InvalidConfig(f"{kind!r} is not paddle, sim, a checkpoint directory or a .gguf")
+        return PaddleModel.from_pretrained(path)
     base = SIM_PRESETS[preset]
     return SimModel(
         fixed_ms=base.fixed_ms if fixed_ms is None else fixed_ms,
@@ -52,6 +60,11 @@ def build_model(
 
 def model_label(model: SimModel | PaddleModel, preset: str | None = None) -> str:
     """A short human label, e.g. `sim:gpu-class (15 ms + 20 us/tok + 0 ns*len^2)`."""
+    if isinstance(model, PaddleModel) and model.weights is not None:
+        return (
+            f"paddle ({Path(model.weights).name}: {model.architecture}, {model.num_layers} layers, "
+            f"hidden {model.hidden_size}, vocab {model.vocab_size}, device {model.device})"
+        )
     if isinstance(model, PaddleModel):
         return (
             f"paddle (seed={model.seed}, {model.num_layers} layers, hidden {model.hidden_size}, "

@@ -1,5 +1,6 @@
-"""The Hugging Face boundary: the only package that knows `config.json` keys (`hf.config`) and
-checkpoint tensor names (`hf.tensors`). `PaddleModel.from_pretrained` lands here."""
+"""The Hugging Face boundary: the only package that knows `config.json` keys (`hf.config`),
+checkpoint tensor names (`hf.tensors`) and GGUF files (`hf.gguf`, `hf.gguf_file`).
+`PaddleModel.from_pretrained` lands here."""
 
 from __future__ import annotations
 
@@ -54,16 +55,40 @@ def spec_from_pretrained(
     cls: type[PaddleModel], path: str | os.PathLike[str], overrides: dict[str, object]
 ) -> PaddleModel:
     """The `PaddleModel` (`cls`, passed in: this package sits below the specs and never imports
-    them) of a checkpoint directory, `overrides` applied, its tensors checked against it
-    (headers only: nothing is loaded here)."""
+    them) of a checkpoint directory (or a `.gguf` file), `overrides` applied, its tensors checked
+    against it (headers only: nothing is loaded here)."""
     from aioprefill.workers.weights import check_checkpoint
 
     directory = Path(os.fspath(path)).resolve()
+    if directory.suffix == ".gguf" and directory.is_file():
+        return _spec_from_gguf(cls, directory, overrides)
     if not directory.is_dir():
         raise InvalidConfig(f"{os.fspath(path)}: not a checkpoint directory")
     if not (directory / CONFIG_FILE).is_file():
         raise InvalidConfig(f"{directory}: no {CONFIG_FILE}")
     fields = {**spec_fields(_read_config(directory)), "weights": str(directory)}
+    _check_overrides(cls, overrides)
+    spec = cls(**{**fields, **overrides})
+    check_checkpoint(str(directory), spec)
+    return spec
+
+
+def _spec_from_gguf(
+    cls: type[PaddleModel], path: Path, overrides: dict[str, object]
+) -> PaddleModel:
+    """A GGUF file's spec (`hf.gguf`), its tensors checked from the header; logs the size the
+    weights take once dequantized."""
+    from aioprefill.hf import gguf
+
+    header = gguf.read_header(path)
+    _check_overrides(cls, overrides)
+    spec = cls(**{**gguf.gguf_spec_fields(header), **overrides})
+    gguf.check_tensors(header, spec)
+    gguf.log_size(header, spec.dtype)
+    return spec
+
+
+def _check_overrides(cls: type[PaddleModel], overrides: dict[str, object]) -> None:
     known = set(cls.__struct_fields__)
     for name in overrides:
         if name not in known:
@@ -73,19 +98,29 @@ def spec_from_pretrained(
                 f"PaddleModel.from_pretrained: {name} comes from the checkpoint and cannot be "
                 "overridden (it would compute a different function)"
             )
-    spec = cls(**{**fields, **overrides})
-    check_checkpoint(str(directory), spec)
-    return spec
 
 
 def check_spec_against_config(spec: PaddleModel) -> None:
-    """For a spec whose `weights` is a directory with a config.json: raise `InvalidConfig`
-    unless every field config.json decides has the value it gives (a hand-written spec that
-    left out, say, rope_theta would otherwise run the checkpoint as a different function)."""
-    if spec.weights is None or not (Path(spec.weights) / CONFIG_FILE).is_file():
+    """For a spec whose `weights` is a directory with a config.json (or a GGUF file): raise
+    `InvalidConfig` unless every field config.json (the GGUF metadata) decides has the value it
+    gives (a hand-written spec that left out, say, rope_theta would otherwise run the checkpoint
+    as a different function)."""
+    if spec.weights is None:
         return
-    directory = Path(spec.weights)
-    for name, value in spec_fields(_read_config(directory)).items():
+    source = Path(spec.weights)
+    if source.suffix == ".gguf" and source.is_file():
+        from aioprefill.hf import gguf
+
+        header = gguf.read_header(source)
+        gguf.check_tensors(header, spec)
+        decided = gguf.gguf_spec_fields(header)
+        decided.pop("weights")
+    elif (source / CONFIG_FILE).is_file():
+        decided = spec_fields(_read_config(source))
+        source = source / CONFIG_FILE
+    else:
+        return
+    for name, value in decided.items():
         have = getattr(spec, name)
         if name == "max_position_embeddings":
             continue  # a limit, not part of the function
@@ -93,7 +128,7 @@ def check_spec_against_config(spec: PaddleModel) -> None:
         window = name == "sliding_window" and have is not None and have <= value
         if have != value and not window:
             raise InvalidConfig(
-                f"PaddleModel.{name} is {have!r} but {directory / CONFIG_FILE} gives {value!r}; "
+                f"PaddleModel.{name} is {have!r} but {source} gives {value!r}; "
                 "use PaddleModel.from_pretrained to read every setting"
             )
 

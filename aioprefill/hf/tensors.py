@@ -26,6 +26,7 @@ __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
     "WeightsError",
+    "check_shapes",
     "checkpoint_files",
     "expected_shapes",
     "is_ignored",
@@ -179,3 +180,24 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[tuple[str, list[str] 
     if (p / SINGLE_FILE).is_file():
         return [(str(p / SINGLE_FILE), None)]
     raise WeightsError(f"{source}: a checkpoint directory needs {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def check_shapes(shapes: dict[str, tuple[int, ...]], spec: PaddleModel, source: str) -> None:
+    """Raise `WeightsError` unless `shapes` (Hugging Face name -> shape) are the spec's tensors,
+    ignored ones aside."""
+    expected = expected_shapes(spec)
+    names = {n for n in shapes if not is_ignored(n, spec)}
+    missing = [n for n in expected if n not in names]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightsError(f"{source}: missing tensor {missing[0]!r}{more}")
+    unexpected = sorted(names - expected.keys())
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise WeightsError(f"{source}: unexpected tensor {unexpected[0]!r}{more}")
+    for name, shape in expected.items():
+        if shapes[name] != shape:
+            raise WeightsError(
+                f"{source}: tensor {name!r} has shape {list(shapes[name])}, "
+                f"the spec needs {list(shape)}"
+            )

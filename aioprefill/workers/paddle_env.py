@@ -19,7 +19,13 @@ import ctypes
 import ctypes.util
 import os
 
-__all__ = ["configure_math_libraries", "cpu_has_avx512f", "is_amd_cpu", "keep_freed_memory"]
+__all__ = [
+    "configure_math_libraries",
+    "cpu_has_avx512f",
+    "is_amd_cpu",
+    "keep_freed_memory",
+    "quiet_native_logs",
+]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -54,6 +60,14 @@ def configure_math_libraries() -> None:
     """Select MKL's AVX2 kernels on AMD CPUs (unless the environment already decides)."""
     if "MKL_DEBUG_CPU_TYPE" not in os.environ and is_amd_cpu():
         os.environ["MKL_DEBUG_CPU_TYPE"] = "5"
+
+
+def quiet_native_logs() -> None:
+    """Keep Paddle's C++ INFO lines (glog: a tensor-parallel group's TCP store printing
+    `tcp_store.cc ... create libuv server` and `Successfully connected` per rank) off the host's
+    stderr: warnings and errors still print. glog reads the variable when paddle's library
+    loads, so this runs before paddle is imported; a value already in the environment wins."""
+    os.environ.setdefault("GLOG_minloglevel", "1")
 
 
 def keep_freed_memory() -> bool:

@@ -32,9 +32,14 @@ import contextlib
 import itertools
 import warnings
 
-from aioprefill.workers.paddle_env import configure_math_libraries, keep_freed_memory
+from aioprefill.workers.paddle_env import (
+    configure_math_libraries,
+    keep_freed_memory,
+    quiet_native_logs,
+)
 
 configure_math_libraries()
+quiet_native_logs()
 
 import numpy as np  # noqa: E402
 

@@ -28,6 +28,7 @@ from safetensors.numpy import save_file
 
 from aioprefill.hf.tensors import (
     WeightsError,
+    check_shapes,
     checkpoint_files,
     expected_shapes,
     is_ignored,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # annotations only: hf, below the specs, checks headers with 
 
 __all__ = [
     "WeightsError",
+    "check_shapes",
     "check_weights",
     "expected_shapes",
     "iter_weights",
@@ -87,6 +89,11 @@ def iter_weights(spec: PaddleModel) -> Iterator[tuple[int | None, str, np.ndarra
         for name, w in random_weights(spec, spec.seed).items():
             yield (*part_of(name), w)
         return
+    if spec.weights.endswith(".gguf"):
+        from aioprefill.workers.gguf_weights import iter_gguf
+
+        yield from iter_gguf(spec)
+        return
     for source, header, names in _plan(spec.weights, spec):
         with open(source, "rb") as f:
             for name in names:
@@ -113,6 +120,9 @@ def check_checkpoint(path: str | os.PathLike[str], spec: PaddleModel) -> None:
 
 def model_weights(spec: PaddleModel) -> dict[str, np.ndarray]:
     """The weights a spec stands for: its checkpoint when `weights=` is set, else its seed's."""
+    if spec.weights is not None and spec.weights.endswith(".gguf"):
+        by_part = {(layer, part): w for layer, part, w in iter_weights(spec)}
+        return {name: by_part[part_of(name)] for name in expected_shapes(spec)}
     if spec.weights is not None:
         return load_weights(spec.weights, spec)
     return random_weights(spec, spec.seed)
@@ -120,7 +130,7 @@ def model_weights(spec: PaddleModel) -> dict[str, np.ndarray]:
 
 def check_weights(weights: dict[str, np.ndarray], spec: PaddleModel, source: str) -> None:
     """Raise `WeightsError` unless `weights` holds exactly the spec's tensors with its shapes."""
-    _check_shapes({name: tuple(w.shape) for name, w in weights.items()}, spec, source)
+    check_shapes({name: tuple(w.shape) for name, w in weights.items()}, spec, source)
 
 
 def save_weights(path: str | os.PathLike[str], weights: dict[str, np.ndarray]) -> None:
@@ -152,7 +162,7 @@ def _plan(path: str | os.PathLike[str], spec: PaddleModel) -> list[tuple[str, _H
         wanted = [n for n in names if not is_ignored(n, spec)]
         wanted.sort(key=lambda n: header[n]["data_offsets"][0])
         plan.append((file, header, wanted))
-    _check_shapes(shapes, spec, source)
+    check_shapes(shapes, spec, source)
     for file, header, names in plan:
         for name in names:
             if header[name]["dtype"] not in _DTYPES:
@@ -160,25 +170,6 @@ def _plan(path: str | os.PathLike[str], spec: PaddleModel) -> list[tuple[str, _H
                     f"{file}: tensor {name!r} has dtype {header[name]['dtype']}, need a float type"
                 )
     return plan
-
-
-def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: PaddleModel, source: str) -> None:
-    expected = expected_shapes(spec)
-    names = {n for n in shapes if not is_ignored(n, spec)}
-    missing = [n for n in expected if n not in names]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise WeightsError(f"{source}: missing tensor {missing[0]!r}{more}")
-    unexpected = sorted(names - expected.keys())
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise WeightsError(f"{source}: unexpected tensor {unexpected[0]!r}{more}")
-    for name, shape in expected.items():
-        if shapes[name] != shape:
-            raise WeightsError(
-                f"{source}: tensor {name!r} has shape {list(shapes[name])}, "
-                f"the spec needs {list(shape)}"
-            )
 
 
 def _header(file: str) -> _Header:

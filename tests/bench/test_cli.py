@@ -9,6 +9,7 @@ from aioprefill.bench.cli import DEFAULT_DURATION_S, POLICIES, parse_options
 from aioprefill.bench.presets import SIM_PRESETS
 
 DATA = Path(__file__).parent / "data"
+HF = Path(__file__).parent.parent / "data" / "hf"
 
 
 def test_defaults_are_the_two_minute_paddle_sweep():
@@ -20,6 +21,16 @@ def test_defaults_are_the_two_minute_paddle_sweep():
     assert o.trace is None and o.lengths is not None
     assert o.json_path is None and o.plot_path is None
     assert o.seed == 0 and o.loop == "uvloop"
+
+
+def test_model_path_is_a_checkpoint():
+    """--model PATH: the checkpoint's own spec; prompts are drawn from its vocabulary and
+    clipped to what it computes exactly (mistral_window: a 128-token sliding window)."""
+    golden = HF / "mistral_window"
+    o = parse_options(["--model", str(golden)])
+    assert o.model == PaddleModel.from_pretrained(golden)
+    assert o.model.vocab_size == 1000 and o.max_prompt_len == 128
+    assert "mistral_window: MistralForCausalLM, 2 layers" in o.model_label
 
 
 def test_sim_presets_and_overrides():
@@ -79,6 +90,7 @@ BAD = [
     (["--policy", "forward,fast"], "--policy"),
     (["--policy", "eager,eager"], "--policy"),
     (["--model", "gpu"], "--model"),
+    (["--model", str(DATA)], "--model"),  # a directory without config.json
     (["--sim-preset", "gpu-class"], "--sim-preset"),
     (["--model", "sim", "--sim-preset", "h100"], "--sim-preset"),
     (["--model", "sim", "--sim-fixed-ms", "-1"], "--sim-fixed-ms"),

@@ -147,7 +147,13 @@ def test_sliding_window_variants_that_load(tmp_path: Path) -> None:
     "golden, changes, message",
     [
         ("llama_theta_eps", {"architectures": ["GPT2LMHeadModel"]}, r"architectures: .*GPT2"),
-        ("llama_theta_eps", {"architectures": None}, "architectures: None is not supported"),
+        (
+            "llama_theta_eps",
+            {"architectures": None, "model_type": "gpt2"},
+            "architectures: None is not supported",
+        ),
+        ("llama_theta_eps", {"pruned_heads": {"0": [1]}}, "pruned_heads: .* is not supported"),
+        ("llama_theta_eps", {"per_layer_config": {"0": {}}}, "per_layer_config: not implemented"),
         ("llama_theta_eps", {"model_type": "gemma"}, "model_type: 'gemma'"),
         (
             "llama_theta_eps",

@@ -1,0 +1,15 @@
+"""`aioprefill.serve`: an OpenAI-compatible HTTP server over one `Engine`
+(`python -m aioprefill.serve --model PATH`; see README, "Serving over HTTP").
+
+| module | what it holds |
+| --- | --- |
+| `__main__.py` | the command line: flags to an EngineConfig, the tokenizer, the HTTP front |
+| `app.py` | the ASGI app: lifespan, routing, body limits, disconnects, request ids, statuses |
+| `routes.py` | `Service`: each endpoint's work on the engine and the tokenizer |
+| `completions.py` | /v1/completions: the checks, the engine options, the OpenAI answer |
+| `prompts.py` | a request's prompt(s) as checked token-id prompts |
+| `schemas.py` | request and response bodies as msgspec Structs |
+| `errors.py` | aioprefill's errors as HTTP statuses and OpenAI error objects |
+| `fronts.py` | running the app under uvicorn or granian (ASGI or RSGI) |
+| `rsgi.py` | the app under granian's RSGI interface |
+"""

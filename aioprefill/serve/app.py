@@ -1,0 +1,265 @@
+"""The HTTP side of `aioprefill.serve`: a bare ASGI 3 application (no framework: the cheapest
+Python front measured in benchmarks/bench_servers.py), run by uvicorn or granian.
+
+- lifespan: the engine starts before the first request and closes (draining what it accepted)
+  after the server finished its last one, so SIGTERM leaves no worker and no segment behind;
+- routing is one dict lookup by path; 404 for an unknown path, 405 for a wrong method;
+- a body larger than `max_body_bytes` is refused with 413 as soon as it is announced
+  (Content-Length) or read past the limit, before it is decoded;
+- a client that disconnects while its prompts run cancels them in the engine;
+- `X-Request-Id` names the request in the engine (errors, logs) and is echoed back; without
+  one the server makes one;
+- every error is OpenAI's error object with the status of `aioprefill.serve.errors`;
+- `/metrics` adds the HTTP answers by route and status to the engine's series.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+from aioprefill.config import EngineConfig
+from aioprefill.loop import Engine
+from aioprefill.serve.errors import HTTPError, error_body, error_status
+from aioprefill.serve.routes import ServeSettings, Service
+
+__all__ = ["App"]
+
+log = logging.getLogger("aioprefill.serve")
+
+JSON = b"application/json"
+_GONE = 499  # nginx's "client closed request": counted, never sent
+_MAX_REQUEST_ID = 128
+
+
+class App:
+    """`App(config, settings)` is the ASGI callable; the engine lives in its
+    lifespan."""
+
+    def __init__(self, config: EngineConfig, settings: ServeSettings) -> None:
+        self.config = config
+        self.settings = settings
+        self.service: Service | None = None
+        self.answers: Counter[tuple[str, int]] = Counter()  # (route, status) -> count
+        self._ids = itertools.count(1)
+        self._id_prefix = f"{os.getpid():x}-{os.urandom(3).hex()}-"
+        self._registry: Any = None
+        # path -> (method, handler, reads the engine: races the client's disconnect)
+        self.routes: dict[str, tuple[str, Callable[..., Awaitable[Any]], bool]] = {
+            "/v1/completions": ("POST", self._completions, True),
+            "/v1/embeddings": ("POST", self._embeddings, True),
+            "/tokenize": ("POST", self._tokenize, False),
+            "/detokenize": ("POST", self._detokenize, False),
+            "/v1/models": ("GET", self._models, False),
+            "/health": ("GET", self._health, False),
+            "/metrics": ("GET", self._metrics, False),
+            "/server_info": ("GET", self._server_info, False),
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    # ---- one request ------------------------------------------------------------------
+
+    async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        request_id, length = self._headers(scope["headers"])
+        status, out, content_type = await self.answer(
+            scope["path"], scope["method"], request_id, lambda: self._read(receive, length), receive
+        )
+        if status == _GONE:
+            return  # the client is gone: nothing to send
+        headers = [
+            (b"content-type", content_type),
+            (b"content-length", b"%d" % len(out)),  # else uvicorn chunks it
+            (b"x-request-id", request_id.encode()),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": out})
+
+    async def answer(
+        self,
+        path: str,
+        method: str,
+        request_id: str,
+        read: Callable[[], Awaitable[bytes | None]],
+        gone: Callable[[], Awaitable[Any]],
+    ) -> tuple[int, bytes, bytes]:
+        """(status, body, content type) for one request, whatever the server interface:
+        `read()` gives the body (None: the client left), `gone()` returns once it leaves."""
+        route = self.routes.get(path)
+        label = path if route is not None else "other"
+        content_type = JSON
+        try:
+            if route is None:
+                raise HTTPError(404, f"no route {path}")
+            want, handler, races = route
+            if method != want:
+                raise HTTPError(405, f"{path} takes {want}, not {method}")
+            if want == "POST":
+                body = await read()
+                if body is None:
+                    status, out = _GONE, b""
+                else:
+                    job = handler(body, request_id)
+                    status, out = await (self._race(job, gone) if races else job)
+            else:
+                status, out, content_type = await handler()
+        except Exception as exc:
+            status = error_status(exc)
+            if status >= 500 and not isinstance(exc, HTTPError):
+                log.error("request %s to %s failed: %r", request_id, path, exc)
+            out = error_body(status, str(exc))
+        self.answers[label, status] += 1
+        return status, out, content_type
+
+    def request_id(self, value: bytes | str | None) -> str:
+        """The client's X-Request-Id if usable (1-128 ASCII characters), else a fresh one."""
+        if value and len(value) <= _MAX_REQUEST_ID and value.isascii():
+            return value if isinstance(value, str) else value.decode()
+        return f"{self._id_prefix}{next(self._ids)}"
+
+    def _headers(self, headers: list[tuple[bytes, bytes]]) -> tuple[str, int]:
+        """The request id to use (the client's X-Request-Id if usable, else a fresh one) and
+        the announced Content-Length (-1 when absent)."""
+        request_id, length = None, -1
+        for key, value in headers:
+            if key == b"x-request-id":
+                request_id = value
+            elif key == b"content-length" and value.isdigit():
+                length = int(value)
+        return self.request_id(request_id), length
+
+    async def _read(self, receive: Any, length: int) -> bytes | None:
+        """The whole body, or None when the client left first."""
+        limit = self.settings.max_body_bytes
+        if length > limit:
+            raise HTTPError(413, f"request body of {length} bytes is over {limit} bytes")
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, f"request body is over {limit} bytes")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _race(
+        self, job: Awaitable[Any], gone: Callable[[], Awaitable[Any]]
+    ) -> tuple[int, bytes]:
+        """Run `job` unless the client disconnects first (then cancel it): the body was read,
+        so the next message from the server is http.disconnect. A done callback, not
+        `asyncio.wait`: this runs for every request."""
+        work = asyncio.ensure_future(job)
+        left = asyncio.ensure_future(gone())
+        cancel = lambda _: work.cancel()  # noqa: E731
+        left.add_done_callback(cancel)
+        try:
+            return await work  # type: ignore[no-any-return,unused-ignore]
+        except asyncio.CancelledError:
+            if left.done() and not left.cancelled():
+                return _GONE, b""  # the client left: nothing to answer
+            raise  # the server itself is cancelling this request
+        finally:
+            left.remove_done_callback(cancel)
+            left.cancel()
+
+    # ---- handlers: (status, body) for POST, (status, body, content type) for GET ----------
+
+    def _svc(self) -> Service:
+        if self.service is None:
+            raise HTTPError(503, "the engine is not running")
+        return self.service
+
+    async def _completions(self, body: bytes, request_id: str) -> tuple[int, bytes]:
+        return 200, await self._svc().completions(body, request_id)
+
+    async def _embeddings(self, body: bytes, request_id: str) -> tuple[int, bytes]:
+        return 200, await self._svc().embeddings(body, request_id)
+
+    async def _tokenize(self, body: bytes, request_id: str) -> tuple[int, bytes]:
+        return 200, await self._svc().tokenize(body)
+
+    async def _detokenize(self, body: bytes, request_id: str) -> tuple[int, bytes]:
+        return 200, await self._svc().detokenize(body)
+
+    async def _models(self) -> tuple[int, bytes, bytes]:
+        return 200, self._svc().models(), JSON
+
+    async def _health(self) -> tuple[int, bytes, bytes]:
+        status, body = self._svc().health()
+        return status, body, JSON
+
+    async def _server_info(self) -> tuple[int, bytes, bytes]:
+        return 200, self._svc().server_info(), JSON
+
+    async def _metrics(self) -> tuple[int, bytes, bytes]:
+        from aioprefill import metrics
+
+        self._svc()
+        body, content_type = metrics.render(self._registry)
+        return 200, body, content_type.encode()
+
+    # ---- lifespan ---------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The engine started and served from, closed (draining) at exit."""
+        async with Engine(self.config) as engine:
+            self.service = Service(engine, engine.tokenizer, self.settings)
+            self._registry = _registry(engine, self.answers)
+            try:
+                yield
+            finally:
+                self.service = None
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        await receive()  # lifespan.startup
+        started = False
+        try:
+            async with self.running():
+                started = True
+                await send({"type": "lifespan.startup.complete"})
+                await receive()  # lifespan.shutdown: the server answered its last request
+        except BaseException as exc:
+            if not started:
+                await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                return
+            raise
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+def _registry(engine: Engine, answers: Counter[tuple[str, int]]) -> Any:
+    """The engine's Prometheus series plus `aioprefill_http_responses_total{route,status}`."""
+    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.registry import Collector
+
+    from aioprefill import metrics
+
+    class HTTPAnswers(Collector):
+        def collect(self) -> Iterator[Any]:
+            family = CounterMetricFamily(
+                "aioprefill_http_responses",
+                "HTTP answers by route and status (499: the client left first, nothing sent).",
+                labels=["route", "status"],
+            )
+            for (route, status), n in sorted(answers.items()):
+                family.add_metric([route, str(status)], n)
+            yield family
+
+    registry = metrics.registry_for(engine)
+    registry.register(HTTPAnswers())
+    return registry

@@ -1,0 +1,241 @@
+"""What each endpoint does, apart from HTTP: `Service` turns a request body into a response
+body using the engine and the tokenizer. `app.py` does the HTTP around it (routing, body
+limits, disconnects, request ids, statuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+import aioprefill
+from aioprefill.errors import InvalidRequest
+from aioprefill.loop import Engine
+from aioprefill.result import PrefillResult
+from aioprefill.serve import completions
+from aioprefill.serve.prompts import Prompt, TokenizerLike, parse_prompts
+from aioprefill.serve.schemas import (
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+__all__ = ["ServeSettings", "Service"]
+
+
+@dataclass(slots=True, kw_only=True)
+class ServeSettings:
+    """The server's own settings (the engine's are its EngineConfig)."""
+
+    served_model_name: str
+    pooling: str = "mean"  # "mean" | "last": how /v1/embeddings pools the hidden states
+    normalize: bool = False  # L2-normalise embeddings
+    max_prompts: int = 1024  # prompts in one request; more is a 413 (TEI's batch limit)
+    max_body_bytes: int = 16 << 20  # request bodies; larger is a 413
+
+
+def _decoder(kind: type) -> msgspec.json.Decoder[Any]:
+    return msgspec.json.Decoder(kind)
+
+
+class Service:
+    """The endpoints of one server process over one running engine."""
+
+    def __init__(
+        self, engine: Engine, tokenizer: TokenizerLike | None, settings: ServeSettings
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.created = int(time.time())
+        config = engine.config
+        self.vocab_size = config.model.vocab_size
+        self.max_model_len = config.max_prompt_tokens or 0
+        self._encode = msgspec.json.Encoder().encode
+        self._completion = _decoder(CompletionRequest)
+        self._embedding = _decoder(EmbeddingRequest)
+        self._tokenize = _decoder(TokenizeRequest)
+        self._detokenize = _decoder(DetokenizeRequest)
+        # KV transfer (vllm-router's PD mode) only where a transfer engine is configured.
+        self.kv_transfer = getattr(config, "kv_transfer", None) is not None
+
+    # ---- scoring and embeddings -------------------------------------------------------
+
+    async def completions(self, body: bytes, request_id: str) -> bytes:
+        req = _decode(self._completion, body)
+        generate = completions.check_completion(req)
+        want_kv = req.kv_transfer_params is not None and self.kv_transfer
+        options = completions.prefill_options(req, generate)
+        if want_kv:
+            options["return_kv"] = True
+        echo_offsets = req.echo and req.logprobs is not None
+        prompts = await self._prompts(req.prompt, "prompt", offsets=echo_offsets)
+        if want_kv and len(prompts) != 1:
+            raise InvalidRequest("kv_transfer_params needs exactly one prompt")
+        results = await self._run(prompts, options, request_id)
+        params = None
+        if want_kv and results[0].kv is not None:  # the transfer engine keeps the export
+            params = results[0].kv.transfer_params()  # type: ignore[attr-defined,unused-ignore]
+        out = completions.completion_body(
+            req,
+            generate,
+            prompts,
+            results,
+            self.tokenizer,
+            request_id=request_id,
+            model=self.settings.served_model_name,
+            kv_transfer_params=params,
+        )
+        return self._encode(out)
+
+    async def embeddings(self, body: bytes, request_id: str) -> bytes:
+        req = _decode(self._embedding, body)
+        hidden = getattr(self.engine.config.model, "hidden_size", None)
+        if req.dimensions is not None and req.dimensions != hidden:
+            raise InvalidRequest(
+                f"dimensions must be the model's hidden size ({hidden}) or absent, "
+                f"got {req.dimensions}"
+            )
+        prompts = await self._prompts(req.input, "input")
+        options = {"embed": self.settings.pooling, "normalize": self.settings.normalize}
+        results = await self._run(prompts, options, request_id)
+        data = []
+        for i, r in enumerate(results):
+            assert r.embedding is not None
+            vector: list[float] | str
+            if req.encoding_format == "base64":
+                vector = base64.b64encode(r.embedding.astype("<f4").tobytes()).decode()
+            else:
+                vector = r.embedding.tolist()
+            data.append(Embedding(index=i, embedding=vector))
+        n = sum(len(p.ids) for p in prompts)
+        return self._encode(
+            EmbeddingResponse(
+                id=f"embd-{request_id}",
+                created=int(time.time()),
+                model=self.settings.served_model_name,
+                data=data,
+                usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n),
+            )
+        )
+
+    async def _prompts(self, value: Any, field: str, *, offsets: bool = False) -> list[Prompt]:
+        return await parse_prompts(
+            value,
+            self.tokenizer,
+            field=field,
+            vocab_size=self.vocab_size,
+            max_prompt_tokens=self.max_model_len,
+            max_prompts=self.settings.max_prompts,
+            offsets=offsets,
+        )
+
+    async def _run(
+        self, prompts: list[Prompt], options: dict[str, Any], request_id: str
+    ) -> list[PrefillResult]:
+        """Every prompt's engine request, submitted together; if one fails the others are
+        cancelled (nothing keeps running for an answer that will not be sent)."""
+        prefill = self.engine.prefill
+        if len(prompts) == 1:
+            return [await prefill(prompts[0].ids, request_id=request_id, **options)]
+        jobs = [
+            asyncio.ensure_future(prefill(p.ids, request_id=f"{request_id}/{i}", **options))
+            for i, p in enumerate(prompts)
+        ]
+        try:
+            return await asyncio.gather(*jobs)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            raise
+
+    # ---- tokenizer --------------------------------------------------------------------
+
+    async def tokenize(self, body: bytes) -> bytes:
+        req = _decode(self._tokenize, body)
+        if req.messages is not None:
+            raise InvalidRequest("the chat form of /tokenize (messages) is not supported")
+        if req.prompt is None:
+            raise InvalidRequest("prompt is required")
+        tok = self._need_tokenizer()
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        strs = tok.token_strings(ids) if req.return_token_strs else msgspec.UNSET
+        return self._encode(
+            TokenizeResponse(
+                count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
+            )
+        )
+
+    async def detokenize(self, body: bytes) -> bytes:
+        req = _decode(self._detokenize, body)
+        bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary ({self.vocab_size})")
+        text = self._need_tokenizer().decode(req.tokens) if req.tokens else ""
+        return self._encode(DetokenizeResponse(prompt=text))
+
+    def _need_tokenizer(self) -> TokenizerLike:
+        if self.tokenizer is None:
+            raise InvalidRequest("this server has no tokenizer")
+        return self.tokenizer
+
+    # ---- state ------------------------------------------------------------------------
+
+    def models(self) -> bytes:
+        name = self.settings.served_model_name
+        card = ModelCard(id=name, created=self.created, max_model_len=self.max_model_len, root=name)
+        return self._encode(ModelList(data=[card]))
+
+    def health(self) -> tuple[int, bytes]:
+        """200 while the engine can serve, else 503 (closing, or every worker given up), so
+        a router takes this server out of its rotation."""
+        h = self.engine.health()
+        return (200 if h.is_running else 503), self._encode(h)
+
+    def server_info(self) -> bytes:
+        """What this server runs. Deliberately no `model_path` / `tokenizer_path`:
+        sglang-router tries to download whatever hub path it finds there."""
+        c = self.engine.config
+        return self._encode(
+            {
+                "served_model_name": self.settings.served_model_name,
+                "max_model_len": self.max_model_len,
+                "vocab_size": self.vocab_size,
+                "has_tokenizer": self.tokenizer is not None,
+                "pooling": self.settings.pooling,
+                "normalize": self.settings.normalize,
+                "version": aioprefill.__version__,
+                "engine": {
+                    "num_workers": c.num_workers,
+                    "tp_size": c.tp_size,
+                    "expert_parallel": c.expert_parallel,
+                    "policy": c.policy,
+                    "max_batch_tokens": c.max_batch_tokens,
+                    "max_batch_size": c.max_batch_size,
+                    "max_pending": c.max_pending,
+                },
+            }
+        )
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid request body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the body is not valid JSON ({exc})") from None

@@ -1,0 +1,179 @@
+"""The request and response bodies of `aioprefill.serve`, as msgspec Structs, with the field
+names their owners use: OpenAI's legacy completions and embeddings, vLLM's /tokenize and
+/detokenize.
+
+Requests tolerate unknown fields (msgspec ignores them): routers and clients add their own
+(vllm-router injects `no_stop_trim`, `ignore_eos`, `skip_special_tokens`,
+`return_hidden_states`, `stream` into every completion body). Fields a prefill server cannot
+honour are declared so that they can be refused with a message (`n`, `stream`, `suffix`,
+`max_tokens` > 1) rather than silently ignored. A prompt is `str | list`: msgspec allows one
+array type per union, so `prompts.py` tells a list of ids from a list of strings or of lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "Completion",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "Embedding",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
+    "ErrorBody",
+    "ErrorInfo",
+    "ModelCard",
+    "ModelList",
+    "TokenizeRequest",
+    "TokenizeResponse",
+    "Usage",
+]
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/completions. `max_tokens` None counts as 1: a prefill server computes the
+    first token only (OpenAI's default of 16 would make every plain request an error)."""
+
+    prompt: str | list[Any]
+    model: str | None = None
+    max_tokens: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    n: int = 1
+    stream: bool | None = False
+    suffix: str | None = None
+    # vllm-router's PD mode: present -> the answer carries the KV export's transfer params.
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/embeddings."""
+
+    input: str | list[Any]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize (vLLM's completion form; the chat form, `messages`, is refused)."""
+
+    prompt: str | None = None
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    messages: list[Any] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /detokenize."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """Per returned token (the echoed prompt's, then the generated one): its text, its
+    log-probability (None for the first prompt token, which nothing predicts), the best
+    alternatives, and the character offset of its text in `text`."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str = "length"
+    stop_reason: None = None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    object: str = "text_completion"
+    # Only with `kv_transfer_params` in the request and a transfer engine configured.
+    kv_transfer_params: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+
+
+class Embedding(msgspec.Struct, kw_only=True):
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | msgspec.UnsetType = msgspec.UNSET
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "aioprefill"
+    root: str | None = None
+    parent: None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    code: int
+    param: str | None = None
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    """OpenAI's error object: `{"error": {"message", "type", "code", "param"}}`."""
+
+    error: ErrorInfo

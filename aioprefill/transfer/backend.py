@@ -1,0 +1,66 @@
+"""The one module that imports Mooncake's transfer engine (`mooncake.engine`, from the extra
+`aioprefill[transfer]`): loading it with an error that names the fix, starting an engine in
+P2P-handshake mode (no metadata server: a peer's address is its `host:port`), and the memory
+addresses the engine wants.
+
+Mooncake's Python engine has no close(): dropping the last reference destroys it (its
+listeners close, its peers' reads fail at once). Its calls return 0 or a negative code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import Any
+
+from aioprefill.errors import InvalidConfig, TransferError
+
+__all__ = ["TRANSFER_EXTRA_HINT", "address_of", "load_mooncake", "new_engine"]
+
+TRANSFER_EXTRA_HINT = (
+    "pip install 'aioprefill[transfer]' (mooncake-transfer-engine-non-cuda; on a CUDA machine "
+    "mooncake-transfer-engine), and on Debian/Ubuntu apt-get install libibverbs1"
+)
+
+
+def load_mooncake() -> Any:
+    """`mooncake.engine`, or InvalidConfig naming what to install. The wheel links libibverbs
+    even for TCP, so without Debian's libibverbs1 the import itself fails (OSError/ImportError
+    naming libibverbs.so.1). Its log level is read once, at load: unless MC_LOG_LEVEL says
+    otherwise, only errors (a dozen info lines per engine start otherwise)."""
+    quiet = "MC_LOG_LEVEL" not in os.environ  # read once, at load: info lines by default
+    if quiet:
+        os.environ["MC_LOG_LEVEL"] = "ERROR"
+    try:
+        import mooncake.engine as engine
+    except (ImportError, OSError) as exc:
+        raise InvalidConfig(
+            f"EngineConfig.kv_transfer: Mooncake's transfer engine cannot be imported ({exc}): "
+            f"{TRANSFER_EXTRA_HINT}"
+        ) from exc
+    finally:
+        if quiet:
+            del os.environ["MC_LOG_LEVEL"]
+    return engine
+
+
+def new_engine(host: str, protocol: str, device: str = "") -> tuple[Any, str]:
+    """A started transfer engine and its session name (`host:port`, what peers dial)."""
+    engine = load_mooncake().TransferEngine()
+    rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+    if rc != 0:
+        raise TransferError(
+            f"Mooncake transfer engine failed to start on {host} ({protocol}): {rc}"
+        )
+    return engine, f"{host}:{engine.get_rpc_port()}"
+
+
+def address_of(buffer: mmap.mmap) -> int:
+    """The address of a mapping's first byte (the ctypes view is dropped at once, so the
+    mapping can still be closed)."""
+    view = ctypes.c_char.from_buffer(buffer)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
