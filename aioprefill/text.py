@@ -23,7 +23,7 @@ from aioprefill.models import ModelSpec, PaddleModel
 from aioprefill.tokenizer import OFF_LOOP_CHARS, TOKENIZER_EXTRA_HINT, Tokenizer
 from aioprefill.tokenizer_gguf import NoTokenizerInFile
 
-__all__ = ["encode_text", "resolve_tokenizer"]
+__all__ = ["encode_text", "no_tokenizer", "resolve_tokenizer"]
 
 log = logging.getLogger("aioprefill.text")
 _SLICE = 1 << 14  # ids converted per GIL hold: ~0.5 ms
@@ -77,19 +77,24 @@ def _from_checkpoint(model: ModelSpec) -> Tokenizer | None:
 async def encode_text(tokenizer: Tokenizer | None, text: str) -> list[int] | np.ndarray:
     """The ids of a `str` prompt (long texts tokenized off the loop), or `InvalidRequest`."""
     if tokenizer is None:
-        hint = ""
-        if importlib.util.find_spec("tokenizers") is None:
-            hint = f" (the tokenizers package is not installed: {TOKENIZER_EXTRA_HINT})"
-        raise InvalidRequest(
-            "prompt is a str but this engine has no tokenizer: pass token ids, or "
-            "EngineConfig(tokenizer=PATH) (a checkpoint directory with tokenizer.json or a "
-            f".gguf file){hint}"
-        )
+        raise no_tokenizer()
     if not text:
         raise InvalidRequest("prompt is an empty string")
     if len(text) <= OFF_LOOP_CHARS:
         return tokenizer.encode(text)
     return await asyncio.to_thread(_int32_ids, tokenizer, text)
+
+
+def no_tokenizer() -> InvalidRequest:
+    """The refusal of a `str` prompt on an engine without a tokenizer."""
+    hint = ""
+    if importlib.util.find_spec("tokenizers") is None:
+        hint = f" (the tokenizers package is not installed: {TOKENIZER_EXTRA_HINT})"
+    return InvalidRequest(
+        "prompt is a str but this engine has no tokenizer: pass token ids, or "
+        "EngineConfig(tokenizer=PATH) (a checkpoint directory with tokenizer.json or a "
+        f".gguf file){hint}"
+    )
 
 
 def _int32_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:

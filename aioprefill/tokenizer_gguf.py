@@ -116,9 +116,9 @@ def gguf_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
     tk = import_optional("tokenizers", "tokenizer")
     meta = read_metadata(path)
     kind = meta.get("tokenizer.ggml.model")
-    if kind is None:
+    if kind is None or "tokenizer.ggml.tokens" not in meta:
         raise NoTokenizerInFile(
-            f"{path}: the GGUF file holds no tokenizer (no tokenizer.ggml.model)"
+            f"{path}: the GGUF file holds no tokenizer (no tokenizer.ggml.model or .tokens)"
         )
     if kind not in ("gpt2", "llama"):
         raise InvalidConfig(

@@ -27,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aioprefill import InvalidRequest
+from aioprefill.text import no_tokenizer
 from aioprefill.validate import validate_prompt
 from aioprefill.workers.sim import expected_token
 
@@ -115,6 +116,8 @@ async def until(client: httpx.AsyncClient, server: Server, check, what: str) -> 
 
 
 def library_message(tokens) -> str:
+    if isinstance(tokens, str):  # a text prompt, and the example's engine has no tokenizer
+        return str(no_tokenizer())
     with pytest.raises(InvalidRequest) as info:
         validate_prompt(tokens, VOCAB, 4000)
     return str(info.value)
