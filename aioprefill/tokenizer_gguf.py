@@ -2,34 +2,33 @@
 
 GGUF (llama.cpp's format) stores the vocabulary as metadata: `tokenizer.ggml.model` (its kind),
 `.tokens`, `.token_type`, `.merges`, `.bos_token_id`, `.eos_token_id`, `.add_bos_token`...
-Only the metadata is read, with plain `struct` (the tensors are never touched, and `gguf`'s
-`GGUFReader` takes seconds building a memmap per vocabulary string).
+Only the header is read, by `hf.gguf_file` with plain `struct` (the tensors are never touched,
+and `gguf`'s `GGUFReader` takes seconds building a memmap per vocabulary string).
 
 Kind "gpt2" (byte-level BPE: SmolLM2, Llama 3, Qwen2...) is built the way transformers' GGUF
 loader builds it (`integrations/gguf`, transformers 5): `GPT2Tokenizer`'s BPE over the tokens
 (respelled in the byte alphabet where a file stores plain text) and merges, control tokens
 (type 3) as special added tokens, user-defined ones (type 4) as plain added tokens, the byte-level
 pre-tokenizer with the text split `tokenizer.ggml.pre` names, and `[BOS] $A [EOS]` as
-`add_bos_token` / `add_eos_token` say (absent: neither). Kind "llama" (SentencePiece) and others
-are refused by name.
+`add_bos_token` / `add_eos_token` say (absent: neither). Kind "llama" (SentencePiece BPE: Llama 2,
+Mistral) is built as transformers builds it from the tokens' scores; other kinds are refused by
+name.
 """
 
 from __future__ import annotations
 
-import mmap
-import struct
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from aioprefill.errors import InvalidConfig
+from aioprefill.hf.gguf_file import read_header
 from aioprefill.optional import import_optional
 
 __all__ = ["KNOWN_SPLITS", "NoTokenizerInFile", "gguf_tokenizer", "read_metadata"]
 
-_MAGIC = b"GGUF"
-# Metadata value types (gguf.md): struct formats of the scalars; 8 is STRING, 9 is ARRAY.
-_SCALARS = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True))
-_STRING, _ARRAY = 8, 9
+# token_type values (gguf.md)
 _CONTROL, _USER_DEFINED = 3, 4
 # The text splits of llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`), as transformers'
 # GGUF loader maps them (integrations/gguf/gguf_tokenizer_mapping.py; the patterns are the ones
@@ -54,59 +53,10 @@ class NoTokenizerInFile(InvalidConfig):
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
-    """Every metadata key of a GGUF (v2/v3, little-endian) file; arrays as lists."""
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != _MAGIC:
-            raise InvalidConfig(f"{path}: not a GGUF file (no GGUF magic)")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise InvalidConfig(f"{path}: GGUF version {version} is not supported (2 or 3)")
-        reader = _Reader(buf, 24)
-        try:
-            out = {}
-            for _ in range(n_kv):
-                key = reader.string()
-                out[key] = reader.value(reader.take("I"))
-            return out
-        except (struct.error, UnicodeDecodeError, ValueError) as exc:
-            raise InvalidConfig(f"{path}: malformed GGUF metadata ({exc})") from None
-
-
-class _Reader:
-    """A cursor over the metadata section."""
-
-    def __init__(self, buf: mmap.mmap, pos: int) -> None:
-        self.buf, self.pos = buf, pos
-
-    def take(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        self.pos += struct.calcsize("<" + fmt)
-        return value
-
-    def string(self) -> str:
-        n = self.take("Q")
-        if self.pos + n > len(self.buf):
-            raise ValueError("a string runs past the end of the file")
-        s = self.buf[self.pos : self.pos + n].decode("utf-8")
-        self.pos += n
-        return s
-
-    def value(self, kind: int) -> Any:
-        if kind == _STRING:
-            return self.string()
-        if kind == _ARRAY:
-            inner, count = self.take("I"), self.take("Q")
-            if count > len(self.buf):
-                raise ValueError(f"an array claims {count} elements")
-            if inner in _SCALARS:  # one unpack for the whole array
-                fmt = f"<{count}{_SCALARS[inner]}"
-                values = list(struct.unpack_from(fmt, self.buf, self.pos))
-                self.pos += struct.calcsize(fmt)
-                return values
-            return [self.value(inner) for _ in range(count)]
-        if kind in _SCALARS:
-            return self.take(_SCALARS[kind])
-        raise ValueError(f"unknown metadata value type {kind}")
+    """Every metadata key of a GGUF file (`hf.gguf_file`'s header, parsed once and cached, so the
+    weights' loader and the tokenizer read the file once); number arrays as lists."""
+    meta = read_header(path).metadata
+    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in meta.items()}
 
 
 def gguf_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
