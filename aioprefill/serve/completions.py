@@ -135,18 +135,17 @@ def _echo_logprobs(
     length of the decoded pieces)."""
     pieces = [token_text(tokenizer, t) for t in prompt.ids]
     assert r.prompt_logprobs is not None
-    lps: list[float | None] = [None, *r.prompt_logprobs.tolist()]
+    scores: list[float] = r.prompt_logprobs.tolist()
     out.tokens.extend(pieces)
-    out.token_logprobs.extend(lps)
+    out.token_logprobs.extend([None, *scores][: len(pieces)])
     tops: list[dict[str, float] | None] = [None]
-    for i, (piece, lp) in enumerate(zip(pieces[1:], lps[1:], strict=True)):
+    for i, (piece, lp) in enumerate(zip(pieces[1:], scores, strict=True)):
         top: dict[str, float] = {}
         if r.prompt_top_k_ids is not None and r.prompt_top_k_logprobs is not None:
             ids, k_lps = r.prompt_top_k_ids[i].tolist(), r.prompt_top_k_logprobs[i].tolist()
             for t, k_lp in zip(ids, k_lps, strict=True):
                 # the prompt token itself: the same value as in token_logprobs
                 top.setdefault(token_text(tokenizer, t), lp if t == prompt.ids[i + 1] else k_lp)
-        assert lp is not None
         top.setdefault(piece, lp)
         tops.append(top)
     out.top_logprobs.extend(tops[: len(pieces)])

@@ -3,9 +3,10 @@
 Every finished request gets its greedy token and log-probability; the output options add, only
 for the requests that asked: top-k at the last position, prompt log-probabilities (the LM head
 on every position of *those* requests: a 512-token prompt costs 512 head rows, its batch-mates
-none) and with `OPT_PROMPT_TOP_K` the top-k at each of those positions, and a pooled final-norm hidden state. A chunked prompt carries what its next chunk needs
-(the last row's hidden state for the next token's log-probability, the running sum for mean
-pooling), so its outputs equal the unchunked ones.
+none) and, with `OPT_PROMPT_TOP_K`, the top-k at each of those positions, and a pooled
+final-norm hidden state. A chunked prompt carries what its next chunk needs (the last row's
+hidden state for the next token's log-probability, the running sum for mean pooling), so its
+outputs equal the unchunked ones.
 
 The log-softmax is float64-accurate: logits are float32 (the product's precision), but their
 exponentials are summed with a float64 accumulator after shifting by the row maximum. Paddle's
