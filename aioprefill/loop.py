@@ -128,6 +128,7 @@ class Engine(EngineControls):
         wait: bool = False,
         prompt_logprobs: bool = False,
         top_k: int = 0,
+        prompt_top_k: bool = False,
         embed: str | None = None,
         normalize: bool = False,
         return_kv: bool = False,
@@ -139,7 +140,8 @@ class Engine(EngineControls):
         `tokens`: a list of ids, a 1-D integer array, or a `str` (`engine.tokenizer`'s ids).
 
         Output options (each computed only for the requests that ask): `prompt_logprobs`
-        (float32[n-1]), `top_k` alternatives at the last position, `embed="last"|"mean"`
+        (float32[n-1]), `top_k` alternatives at the last position (`prompt_top_k=True`, with
+        both: at every prompt position too, int32/float32[n-1, top_k]), `embed="last"|"mean"`
         (final-norm hidden state; `normalize=True` for unit L2 norm), `return_kv` (a
         `KVExport` handle on `result.kv`: close it when done; see docs/kv-export.md).
 
@@ -159,8 +161,7 @@ class Engine(EngineControls):
             vocab_size = self.config.model.vocab_size
             prompt = validate_prompt(tokens, vocab_size, self.config.max_prompt_tokens or 0)
             outputs = parse_outputs(
-                prompt_logprobs=prompt_logprobs,
-                top_k=top_k,
+                prompt_logprobs=prompt_logprobs, top_k=top_k, prompt_top_k=prompt_top_k,
                 embed=embed,
                 normalize=normalize,
                 return_kv=return_kv,

@@ -5,7 +5,8 @@ is queued) into an `Outputs` record that rides on the request. At dispatch `opti
 packs the batch's options into PrefillBatch columns (nothing at all when no request in it has
 any, so plain traffic pays one scan). When the answer comes back, `ResultColumns` walks the
 BatchResult's back-to-back columns chunk by chunk in batch order: prompt log-probabilities
-arrive per chunk and are assembled across a chunked prompt's forwards; top-k, the embedding
+(and, with `prompt_top_k`, the top-k at each prompt position) arrive per chunk and are
+assembled across a chunked prompt's forwards; top-k, the embedding
 and the KV export handle come with its last chunk.
 """
 
@@ -43,6 +44,7 @@ class Outputs:
     top_k: int
     kv: KVTicket | None = None
     parts: list[np.ndarray] = field(default_factory=list)
+    top_parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 def _flag(value: object, name: str) -> bool:
@@ -55,6 +57,7 @@ def parse_outputs(
     *,
     prompt_logprobs: object,
     top_k: object,
+    prompt_top_k: object = False,
     embed: object,
     normalize: object,
     return_kv: object,
@@ -64,6 +67,7 @@ def parse_outputs(
     if (
         prompt_logprobs is False
         and top_k == 0
+        and prompt_top_k is False
         and embed is None
         and normalize is False
         and return_kv is False
@@ -76,6 +80,13 @@ def parse_outputs(
         raise InvalidRequest(f"top_k must be in [0, vocab_size={vocab_size}], got {top_k}")
     if not isinstance(embed, (str, type(None))) or embed not in EMBED_MODES:
         raise InvalidRequest(f"embed must be None, 'last' or 'mean', got {embed!r}")
+    if _flag(prompt_top_k, "prompt_top_k"):
+        if not bits or not top_k:
+            raise InvalidRequest(
+                "prompt_top_k=True needs prompt_logprobs=True and top_k > 0 (the top_k best "
+                "tokens at each position of the prompt logprobs)"
+            )
+        bits |= protocol.OPT_PROMPT_TOP_K
     bits |= EMBED_MODES[embed]
     if _flag(normalize, "normalize"):
         if embed is None:
@@ -118,14 +129,19 @@ class ResultColumns:
     def __init__(self, msg: BatchResult, ledger: KVExports | None) -> None:
         if len(msg.top_k_ids) != len(msg.top_k_logprobs) or len(msg.top_k_ids) % 4:
             raise ProtocolError("BatchResult top-k columns disagree")
-        if len(msg.prompt_logprobs) % 4 or len(msg.embeddings) % 4 or msg.embed_dim < 0:
+        if len(msg.prompt_top_k_ids) != len(msg.prompt_top_k_logprobs):
+            raise ProtocolError("BatchResult prompt top-k columns disagree")
+        sizes = (len(msg.prompt_logprobs), len(msg.prompt_top_k_ids), len(msg.embeddings))
+        if any(size % 4 for size in sizes) or msg.embed_dim < 0:
             raise ProtocolError("BatchResult output columns are not whole float32 arrays")
         self._ids = np.frombuffer(msg.top_k_ids, dtype="<i4")
         self._k_lps = np.frombuffer(msg.top_k_logprobs, dtype="<f4")
         self._plp = np.frombuffer(msg.prompt_logprobs, dtype="<f4")
         self._emb = np.frombuffer(msg.embeddings, dtype="<f4")
+        self._p_ids = np.frombuffer(msg.prompt_top_k_ids, dtype="<i4")
+        self._p_lps = np.frombuffer(msg.prompt_top_k_logprobs, dtype="<f4")
         self._dim = msg.embed_dim
-        self._at = [0, 0, 0]  # cursors: top-k, prompt logprobs, embeddings
+        self._at = [0, 0, 0, 0]  # cursors: top-k, prompt logprobs, embeddings, prompt top-k
         self._ledger = ledger
 
     def _take(self, which: int, array: np.ndarray, n: int) -> np.ndarray:
@@ -142,14 +158,25 @@ class ResultColumns:
         KV handle only when `alive`: nobody waits for a cancelled request's export)."""
         if out.bits & protocol.OPT_PROMPT_LOGPROBS:
             if start == 0:
-                out.parts = []  # a retried prompt starts over
-            out.parts.append(self._take(1, self._plp, end - max(start, 1)))
+                out.parts, out.top_parts = [], []  # a retried prompt starts over
+            rows = end - max(start, 1)
+            out.parts.append(self._take(1, self._plp, rows))
+            if out.bits & protocol.OPT_PROMPT_TOP_K:
+                at = self._at[3]
+                ids = self._take(3, self._p_ids, rows * out.top_k).reshape(rows, out.top_k)
+                lps = self._p_lps[at : at + rows * out.top_k].reshape(rows, out.top_k)
+                out.top_parts.append((ids, lps))
         if not last:
             return {}
         fields: dict[str, Any] = {}
         if out.bits & protocol.OPT_PROMPT_LOGPROBS:
             fields["prompt_logprobs"] = np.concatenate(out.parts) if out.parts else self._plp[:0]
             out.parts = []
+        if out.bits & protocol.OPT_PROMPT_TOP_K:
+            k, parts = out.top_k, out.top_parts
+            fields["prompt_top_k_ids"] = _rows([p[0] for p in parts], self._p_ids, k)
+            fields["prompt_top_k_logprobs"] = _rows([p[1] for p in parts], self._p_lps, k)
+            out.top_parts = []
         if out.top_k:
             at = self._at[0]
             fields["top_k_ids"] = self._take(0, self._ids, out.top_k)
@@ -167,7 +194,14 @@ class ResultColumns:
 
     def check_consumed(self) -> bool:
         """Whether every value was claimed by a chunk (else the worker and engine disagree)."""
-        return self._at == [len(self._ids), len(self._plp), len(self._emb)]
+        return self._at == [len(self._ids), len(self._plp), len(self._emb), len(self._p_ids)]
+
+
+def _rows(parts: list[np.ndarray], column: np.ndarray, k: int) -> np.ndarray:
+    """A chunked prompt's [rows, k] pieces as one array (a one-chunk prompt's is a view)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else column[:0].reshape(0, k)
 
 
 def read_outputs(msg: BatchResult, chunks: list[Any], ledger: KVExports) -> list[dict[str, Any]]:

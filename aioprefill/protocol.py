@@ -54,6 +54,7 @@ OPT_EMBED_LAST = 2  # final-norm hidden state of the last token
 OPT_EMBED_MEAN = 4  # mean of the final-norm hidden states over the prompt's tokens
 OPT_NORMALIZE = 8  # L2-normalise the embedding
 OPT_RETURN_KV = 16  # write the prompt's K/V into the shared-memory segment named in kv_names
+OPT_PROMPT_TOP_K = 32  # with OPT_PROMPT_LOGPROBS: the top_k alternatives at every prompt position
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -185,7 +186,8 @@ class BatchResult(msgspec.Struct, tag=True, array_like=True):
     hold entries only for the requests that asked, back to back in batch order (the engine
     knows who asked and how many values each gets): top_k_ids int32 / top_k_logprobs float32
     (top_k per finished request); prompt_logprobs float32 (end - max(start, 1) per chunk, last
-    or not); embeddings float32 (embed_dim per finished request).
+    or not); prompt_top_k_ids int32 / prompt_top_k_logprobs float32 (top_k per prompt logprob
+    of the chunks with OPT_PROMPT_TOP_K); embeddings float32 (embed_dim per finished request).
     """
 
     batch_id: int
@@ -199,6 +201,8 @@ class BatchResult(msgspec.Struct, tag=True, array_like=True):
     prompt_logprobs: bytes = b""
     embeddings: bytes = b""
     embed_dim: int = 0
+    prompt_top_k_ids: bytes = b""
+    prompt_top_k_logprobs: bytes = b""
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = len(self.request_ids) // 8

@@ -19,10 +19,12 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
 
     The output options' fields are None unless asked for: `prompt_logprobs` float32[n-1]
     (log-probability of prompt token i given tokens < i, i = 1..n-1); `top_k_ids` int32[k] and
-    `top_k_logprobs` float32[k] at the last position, best first; `embedding` float32[hidden]
-    (the final-norm hidden state of the last token, or its mean over the prompt's tokens,
-    L2-normalised with `normalize=True`); `kv`, a `KVExport` handle (`with r.kv as kv:
-    kv.keys, kv.values`) to close when done. The arrays are read-only.
+    `top_k_logprobs` float32[k] at the last position, best first; with `prompt_top_k=True`,
+    `prompt_top_k_ids` int32[n-1, k] and `prompt_top_k_logprobs` float32[n-1, k], row i the k
+    best tokens given tokens < i+1 (aligned with `prompt_logprobs`), best first; `embedding`
+    float32[hidden] (the final-norm hidden state of the last token, or its mean over the
+    prompt's tokens, L2-normalised with `normalize=True`); `kv`, a `KVExport` handle (`with
+    r.kv as kv: kv.keys, kv.values`) to close when done. The arrays are read-only.
     """
 
     request_id: int
@@ -43,6 +45,8 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     top_k_ids: np.ndarray | None = None
     top_k_logprobs: np.ndarray | None = None
     embedding: np.ndarray | None = None
+    prompt_top_k_ids: np.ndarray | None = None
+    prompt_top_k_logprobs: np.ndarray | None = None
     kv: KVExport | None = None
 
     @property

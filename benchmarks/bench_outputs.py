@@ -3,10 +3,10 @@
 Runner-level, in this process, on the tiny Llama `PaddleModel(seed=0)` (4 layers, hidden 256,
 4 KV heads of 32, vocab 32000; its KV is 4 KiB per token), one CPU thread:
 
-a. Per-request cost of each option against the plain prefill of the same request, measured
-   interleaved (A, B, A, B, ...): a lone 512-token prompt, and one 512-token prompt that asks
-   in a batch of eight that do not (the others pay nothing: only the asking rows reach the
-   LM head).
+a. Per-request cost of each option (prompt top-k: top_k=5 at every prompt position) against
+   the plain prefill of the same request, measured interleaved (A, B, A, B, ...): a lone
+   512-token prompt, and one 512-token prompt that asks in a batch of eight that do not (the
+   others pay nothing: only the asking rows reach the LM head).
 b. KV export of a 4096-token prompt (16 MiB): the forward with and without `return_kv`; and the
    export path alone (open the segment, copy every layer's K and V out of Paddle tensors,
    unmap) in GB/s, into a fresh segment and into a closed export's segment that the engine
@@ -42,6 +42,10 @@ from aioprefill.workers.runner import ForwardBatch
 
 OPTIONS = {
     "prompt_logprobs": (protocol.OPT_PROMPT_LOGPROBS, 0),
+    "+prompt_top_k, top_k=5": (
+        protocol.OPT_PROMPT_LOGPROBS | protocol.OPT_PROMPT_TOP_K,
+        5,
+    ),
     "top_k=5": (0, 5),
     "top_k=1000": (0, 1000),
     "embed=last": (protocol.OPT_EMBED_LAST, 0),

@@ -17,6 +17,7 @@ from aioprefill.workers.sim import (
     sim_embedding,
     sim_kv,
     sim_prompt_logprobs,
+    sim_prompt_top_k,
     sim_top_k,
 )
 
@@ -35,6 +36,7 @@ OPTION_SETS = [
     {"embed": "mean", "normalize": True},
     {"return_kv": True},
     {"prompt_logprobs": True, "top_k": 3, "embed": "mean", "return_kv": True},
+    {"prompt_logprobs": True, "top_k": 4, "prompt_top_k": True},
 ]
 
 
@@ -54,6 +56,15 @@ def check(result, tokens: list[int], opts: dict) -> None:
         assert result.top_k_ids[0] == result.token
     else:
         assert result.top_k_ids is None and result.top_k_logprobs is None
+    if opts.get("prompt_top_k"):
+        ids, lps = sim_prompt_top_k(tokens, k)
+        assert ids.shape == (len(tokens) - 1, k)
+        assert result.prompt_top_k_ids.dtype == np.int32
+        assert result.prompt_top_k_logprobs.dtype == np.float32
+        assert np.array_equal(result.prompt_top_k_ids, ids)
+        assert np.array_equal(result.prompt_top_k_logprobs, lps)
+    else:
+        assert result.prompt_top_k_ids is None and result.prompt_top_k_logprobs is None
     if opts.get("embed"):
         want = sim_embedding(tokens, opts["embed"], opts.get("normalize", False))
         assert result.embedding.shape == (SIM_EMBED_DIM,)
@@ -100,7 +111,10 @@ async def test_mixed_options_share_batches_and_each_gets_its_own(max_batch_token
 async def test_one_token_prompt_has_no_prompt_logprobs():
     async with Engine(EngineConfig(model=sim())) as engine:
         r = await engine.prefill([7], prompt_logprobs=True, embed="last")
+        t = await engine.prefill([7], prompt_logprobs=True, top_k=3, prompt_top_k=True)
     assert r.prompt_logprobs.shape == (0,) and r.prompt_logprobs.dtype == np.float32
+    assert t.prompt_top_k_ids.shape == (0, 3) and t.prompt_top_k_ids.dtype == np.int32
+    assert t.prompt_top_k_logprobs.shape == (0, 3)
     np.testing.assert_allclose(r.embedding, sim_embedding([7], "last"), atol=1e-6)
 
 
@@ -116,6 +130,9 @@ async def test_one_token_prompt_has_no_prompt_logprobs():
         ({"normalize": True}, InvalidRequest),
         ({"prompt_logprobs": 1}, InvalidRequestType),
         ({"return_kv": "yes"}, InvalidRequestType),
+        ({"prompt_top_k": True, "top_k": 2}, InvalidRequest),
+        ({"prompt_top_k": True, "prompt_logprobs": True}, InvalidRequest),
+        ({"prompt_top_k": 1, "prompt_logprobs": True, "top_k": 2}, InvalidRequestType),
     ],
 )
 async def test_bad_options_are_refused_before_anything_is_queued(opts, error):

@@ -1,5 +1,6 @@
-"""Output options with real Paddle workers through the whole engine: every option against the
-float64 NumPy reference, batched and chunked, and a decode step from the exported KV alone."""
+"""Output options with real Paddle workers through the whole engine: every option (prompt top-k
+included) against the float64 NumPy reference, batched and chunked, and a decode step from the
+exported KV alone."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ async def test_every_option_through_the_engine_matches_the_reference(max_batch_t
                     p,
                     prompt_logprobs=True,
                     top_k=4,
+                    prompt_top_k=i % 4 == 1,
                     embed="mean" if i % 2 else "last",
                     normalize=i % 3 == 0,
                     return_kv=i % 2 == 0,
@@ -55,6 +57,14 @@ async def test_every_option_through_the_engine_matches_the_reference(max_batch_t
             )
             top = np.sort(ref.log_probs[-1])[::-1][:4]
             np.testing.assert_allclose(r.top_k_logprobs, top, atol=1e-4)
+            if i % 4 == 1:  # the top-4 at every prompt position too
+                assert r.prompt_top_k_ids.shape == (len(p) - 1, 4)
+                tops = np.sort(ref.log_probs[:-1], axis=-1)[:, ::-1][:, :4]
+                np.testing.assert_allclose(r.prompt_top_k_logprobs, tops, atol=1e-4)
+                picked = np.take_along_axis(ref.log_probs[:-1], r.prompt_top_k_ids, axis=-1)
+                np.testing.assert_allclose(r.prompt_top_k_logprobs, picked, atol=1e-4)
+            else:
+                assert r.prompt_top_k_ids is None
             want = ref.hidden.mean(axis=0) if i % 2 else ref.hidden[-1]
             if i % 3 == 0:
                 want = want / np.linalg.norm(want)

@@ -5,10 +5,11 @@ One engine request per prompt, all submitted together so they share batches. `ma
 (prefill only: with `echo`, the prompt's logprobs) or 1 (the greedy next token, with its
 top-`logprobs` alternatives); more is a 400, since this server computes no second token.
 
-What the engine computes fixes two limits of the answer: a prompt position's `top_logprobs`
-holds only that prompt token's own log-probability (the engine's top-k is taken at the last
-position, for the generated token), and `temperature` and the other sampling fields are ignored
-(the token is the greedy one).
+With `echo` and `logprobs` N > 0 every prompt position after the first gets vLLM's
+`top_logprobs`: the N most likely tokens given the tokens before it, plus the prompt token itself
+(the engine's `prompt_top_k`); what lm-eval's loglikelihood reads for `is_greedy`. With
+`logprobs` 0 a position holds only its own token. `temperature` and the other sampling fields are
+ignored (the token is the greedy one).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def prefill_options(req: CompletionRequest, generate: int) -> dict[str, Any]:
     if req.logprobs is not None:
         if req.echo:
             options["prompt_logprobs"] = True
-        if generate and req.logprobs > 0:
+        if req.logprobs > 0 and (generate or req.echo):
             options["top_k"] = req.logprobs
+            options["prompt_top_k"] = bool(req.echo)
     return options
 
 
@@ -133,12 +135,20 @@ def _echo_logprobs(
     length of the decoded pieces)."""
     pieces = [token_text(tokenizer, t) for t in prompt.ids]
     assert r.prompt_logprobs is not None
-    lps: list[float | None] = [None, *r.prompt_logprobs.tolist()]
+    scores: list[float] = r.prompt_logprobs.tolist()
     out.tokens.extend(pieces)
-    out.token_logprobs.extend(lps)
-    out.top_logprobs.extend(
-        None if lp is None else {piece: lp} for piece, lp in zip(pieces, lps, strict=True)
-    )
+    out.token_logprobs.extend([None, *scores][: len(pieces)])
+    tops: list[dict[str, float] | None] = [None]
+    for i, (piece, lp) in enumerate(zip(pieces[1:], scores, strict=True)):
+        top: dict[str, float] = {}
+        if r.prompt_top_k_ids is not None and r.prompt_top_k_logprobs is not None:
+            ids, k_lps = r.prompt_top_k_ids[i].tolist(), r.prompt_top_k_logprobs[i].tolist()
+            for t, k_lp in zip(ids, k_lps, strict=True):
+                # the prompt token itself: the same value as in token_logprobs
+                top.setdefault(token_text(tokenizer, t), lp if t == prompt.ids[i + 1] else k_lp)
+        top.setdefault(piece, lp)
+        tops.append(top)
+    out.top_logprobs.extend(tops[: len(pieces)])
     if prompt.offsets is not None:
         out.text_offset.extend(start for start, _ in prompt.offsets)
     else:  # without a tokenizer the text is empty: every offset is 0

@@ -229,6 +229,8 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
         prompt_logprobs=_column(out.prompt_logprobs, "<f4"),
         embeddings=_column(out.embeddings, "<f4"),
         embed_dim=int(out.embeddings.shape[1]) if out.embeddings.size else 0,
+        prompt_top_k_ids=_column(out.prompt_top_k_ids, "<i4"),
+        prompt_top_k_logprobs=_column(out.prompt_top_k_logprobs, "<f4"),
     )
 
 

@@ -3,9 +3,10 @@
 Every finished request gets its greedy token and log-probability; the output options add, only
 for the requests that asked: top-k at the last position, prompt log-probabilities (the LM head
 on every position of *those* requests: a 512-token prompt costs 512 head rows, its batch-mates
-none), and a pooled final-norm hidden state. A chunked prompt carries what its next chunk needs
-(the last row's hidden state for the next token's log-probability, the running sum for mean
-pooling), so its outputs equal the unchunked ones.
+none) and, with `OPT_PROMPT_TOP_K`, the top-k at each of those positions, and a pooled
+final-norm hidden state. A chunked prompt carries what its next chunk needs (the last row's
+hidden state for the next token's log-probability, the running sum for mean pooling), so its
+outputs equal the unchunked ones.
 
 The log-softmax is float64-accurate: logits are float32 (the product's precision), but their
 exponentials are summed with a float64 accumulator after shifting by the row maximum. Paddle's
@@ -98,13 +99,18 @@ class OutputHead:
         offsets = batch.offsets.astype(np.int64)
         rids = batch.request_ids.tolist()
         self.free([rid for rid, s in zip(rids, batch.start_pos.tolist(), strict=True) if s == 0])
-        plp = self._prompt_logprobs(x, batch, offsets, rids)
+        plp, p_ids, p_lps = self._prompt_logprobs(x, batch, offsets, rids)
         self._mean_sums(x, batch, offsets, rids)
         done = np.flatnonzero(batch.is_last)
         if len(done) == 0:
             empty = np.empty(0, dtype=np.int64)
             return ForwardOutput(
-                empty, empty.astype(np.int32), empty.astype(np.float64), prompt_logprobs=plp
+                empty,
+                empty.astype(np.int32),
+                empty.astype(np.float64),
+                prompt_logprobs=plp,
+                prompt_top_k_ids=p_ids,
+                prompt_top_k_logprobs=p_lps,
             )
         top_k = batch.top_k_of()[done]
         last_rows = paddle.gather(x, paddle.to_tensor(offsets[done + 1] - 1))
@@ -135,37 +141,63 @@ class OutputHead:
             if k_lps
             else np.empty(0, np.float32),
             prompt_logprobs=plp,
+            prompt_top_k_ids=p_ids,
+            prompt_top_k_logprobs=p_lps,
             embeddings=np.stack(embeds) if embeds else np.empty((0, 0), np.float32),
         )
 
     def _prompt_logprobs(
         self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray, rids: list[int]
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """float32, per chunk that asked, back to back: log p(token j | tokens < j) for each of
-        the chunk's tokens that has a predecessor (the first chunk's first token has none)."""
+        the chunk's tokens that has a predecessor (the first chunk's first token has none); and
+        for the chunks with OPT_PROMPT_TOP_K, their `top_k` best ids / logprobs at those rows.
+        Rows with and without top-k go through the head apart (top-k only where asked; every
+        result is per row, so the split changes no value)."""
         asked = np.flatnonzero(batch.has(protocol.OPT_PROMPT_LOGPROBS))
-        if len(asked) == 0:
-            return np.empty(0, dtype=np.float32)
-        parts: list[paddle.Tensor] = []
-        targets: list[np.ndarray] = []
+        wants_top = batch.has(protocol.OPT_PROMPT_TOP_K)
+        top_k = batch.top_k_of()
+        groups: dict[bool, tuple[list[paddle.Tensor], list[np.ndarray]]] = {}
+        sizes: list[tuple[bool, int, int]] = []  # per asked chunk: (top-k?, rows, k)
         for i in asked.tolist():
             a, b = int(offsets[i]), int(offsets[i + 1])
+            parts, targets = groups.setdefault(bool(wants_top[i]), ([], []))
             carried = self._carry.pop(rids[i], None)
+            rows = 0
             if carried is not None:  # the previous chunk's last row predicts this chunk's first
                 parts.append(carried)
                 targets.append(batch.tokens[a : a + 1])
+                rows += 1
             if b - a > 1:
                 parts.append(x[a : b - 1])
                 targets.append(batch.tokens[a + 1 : b])
+                rows += b - a - 1
             if not batch.is_last[i]:
                 self._carry[rids[i]] = x[b - 1 : b].clone()
-        if not parts:
-            return np.empty(0, dtype=np.float32)
-        h = paddle.concat(parts) if len(parts) > 1 else parts[0]
-        target = np.concatenate(targets).astype(np.int64)
-        r = self._rows(h, 0, target)[1]
-        assert r.picked is not None
-        return (r.picked - r.lse).astype(np.float32)
+            sizes.append((bool(wants_top[i]), rows, int(top_k[i])))
+        done: dict[bool, _Rows] = {}
+        for top, (parts, targets) in groups.items():
+            if parts:
+                h = paddle.concat(parts) if len(parts) > 1 else parts[0]
+                kmax = max(k for t, _, k in sizes if t) if top else 0
+                done[top] = self._rows(h, kmax, np.concatenate(targets).astype(np.int64))[1]
+        plps, ids, lps, at = [], [], [], {False: 0, True: 0}
+        for top, rows, k in sizes:
+            r, lo = done.get(top), at[top]
+            at[top] = lo + rows
+            if r is None or not rows:
+                continue
+            assert r.picked is not None
+            lse = r.lse[lo : lo + rows]
+            plps.append(r.picked[lo : lo + rows] - lse)
+            if top:
+                ids.append(r.top_ids[lo : lo + rows, :k].ravel())
+                lps.append((r.top_vals[lo : lo + rows, :k] - lse[:, None]).ravel())
+        return (
+            np.concatenate(plps).astype(np.float32) if plps else np.empty(0, np.float32),
+            np.concatenate(ids).astype(np.int32) if ids else np.empty(0, np.int32),
+            np.concatenate(lps).astype(np.float32) if lps else np.empty(0, np.float32),
+        )
 
     def _mean_sums(
         self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray, rids: list[int]

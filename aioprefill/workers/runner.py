@@ -10,6 +10,8 @@ Output options ride along per request (`options`: `OPT_*` bits from `aioprefill.
 
 - prompt log-probabilities: one float32 per token of the chunk that has a predecessor
   (`end - max(start, 1)` values), for every chunk, so the engine assembles a chunked prompt's;
+- with `OPT_PROMPT_TOP_K` besides, the request's `top_k` best tokens at each of those positions
+  (ids and log-probabilities, `top_k` values per prompt logprob, best first);
 - top-k, embeddings and the KV export: once, with the chunk that ends the prompt.
 """
 
@@ -77,6 +79,9 @@ class ForwardOutput:
     top_k_logprobs: np.ndarray = field(default_factory=lambda: _empty("float32"))
     # Every chunk with OPT_PROMPT_LOGPROBS, back to back in batch order (last or not).
     prompt_logprobs: np.ndarray = field(default_factory=lambda: _empty("float32"))
+    # Every chunk with OPT_PROMPT_TOP_K: [rows, top_k] flattened, rows as in prompt_logprobs.
+    prompt_top_k_ids: np.ndarray = field(default_factory=lambda: _empty("int32"))
+    prompt_top_k_logprobs: np.ndarray = field(default_factory=lambda: _empty("float32"))
     # float32[m, dim]: finished requests with an OPT_EMBED_* bit, in batch order.
     embeddings: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.float32))
 

@@ -41,6 +41,7 @@ __all__ = [
     "sim_embedding",
     "sim_kv",
     "sim_prompt_logprobs",
+    "sim_prompt_top_k",
     "sim_top_k",
 ]
 
@@ -74,6 +75,20 @@ def sim_prompt_logprobs(tokens: list[int] | np.ndarray) -> np.ndarray:
     """float32[n-1]: the prompt log-probabilities a `SimModel` worker returns."""
     t = np.asarray(tokens, dtype=np.int64)
     return _pair_logprobs(t[:-1], t[1:], np.arange(1, len(t)))
+
+
+def _pair_top_k(prev: np.ndarray, pos: np.ndarray, k: int, vocab_size: int):
+    """[rows, k] ids and logprobs at each position, from the token before it and its place."""
+    base = prev.astype(np.int64) * 31 + pos * 7
+    ids = (base[:, None] + np.arange(k)) % vocab_size
+    lps = -(base[:, None] % 100) / 100.0 - 0.25 * np.arange(k)
+    return ids.astype(np.int32), lps.astype(np.float32)
+
+
+def sim_prompt_top_k(tokens: list[int] | np.ndarray, k: int, vocab_size: int = 32000):
+    """(int32[n-1, k], float32[n-1, k]): the prompt top-k a `SimModel` worker returns."""
+    t = np.asarray(tokens, dtype=np.int64)
+    return _pair_top_k(t[:-1], np.arange(1, len(t)), k, vocab_size)
 
 
 def sim_top_k(tokens: list[int] | np.ndarray, k: int, vocab_size: int = 32000):
@@ -190,7 +205,7 @@ class SimRunner:
 
     def _with_options(self, batch: ForwardBatch) -> ForwardOutput:
         ids, toks, lps = [], [], []
-        top_ids, top_lps, plps, embeds = [], [], [], []
+        top_ids, top_lps, plps, embeds, p_ids, p_lps = [], [], [], [], [], []
         options = batch.options
         top_k = batch.top_k_of()
         writers = open_writers(batch, SIM_KV_LAYOUT) if self.writes_kv else KVWriters()
@@ -206,7 +221,13 @@ class SimRunner:
                 if opts & protocol.OPT_PROMPT_LOGPROBS:
                     prev = np.concatenate([[state.last_token], chunk[:-1]])
                     pos = np.arange(start, start + len(chunk))
-                    plps.append(_pair_logprobs(prev, chunk, pos)[1 if start == 0 else 0 :])
+                    skip = 1 if start == 0 else 0
+                    plps.append(_pair_logprobs(prev, chunk, pos)[skip:])
+                    if opts & protocol.OPT_PROMPT_TOP_K:
+                        k, vocab = int(top_k[i]), self.spec.vocab_size
+                        pk = _pair_top_k(prev[skip:], pos[skip:], k, vocab)
+                        p_ids.append(pk[0].ravel())
+                        p_lps.append(pk[1].ravel())
                 state.crc = zlib.crc32(chunk.tobytes(), state.crc)
                 state.last_token = int(chunk[-1])
                 vectors = None
@@ -244,6 +265,8 @@ class SimRunner:
             top_k_logprobs=np.concatenate(top_lps) if top_lps else np.empty(0, np.float32),
             prompt_logprobs=np.concatenate(plps) if plps else np.empty(0, np.float32),
             embeddings=np.stack(embeds) if embeds else np.empty((0, 0), np.float32),
+            prompt_top_k_ids=np.concatenate(p_ids) if p_ids else np.empty(0, np.int32),
+            prompt_top_k_logprobs=np.concatenate(p_lps) if p_lps else np.empty(0, np.float32),
         )
 
     def _inject_failure(self, tokens: np.ndarray) -> None:

@@ -35,6 +35,8 @@ class Out(msgspec.Struct):
     top_k_logprobs: list[float] = []
     prompt_logprobs: list[float] = []
     embeddings: list[float] = []
+    prompt_top_k_ids: list[int] = []
+    prompt_top_k_logprobs: list[float] = []
 
 
 class Job(msgspec.Struct):
@@ -79,6 +81,8 @@ def forward(runner, step: Step) -> Out:
         top_k_logprobs=out.top_k_logprobs.tolist(),
         prompt_logprobs=out.prompt_logprobs.tolist(),
         embeddings=out.embeddings.ravel().tolist(),
+        prompt_top_k_ids=out.prompt_top_k_ids.tolist(),
+        prompt_top_k_logprobs=out.prompt_top_k_logprobs.tolist(),
     )
 
 

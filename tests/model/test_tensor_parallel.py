@@ -32,18 +32,19 @@ def steps_for(spec: PaddleModel, seed: int) -> list[Step]:
 
     long = p(150)
     prompt_lp, embed = protocol.OPT_PROMPT_LOGPROBS, protocol.OPT_EMBED_MEAN
+    chunk_opts: dict = {"options": [prompt_lp | protocol.OPT_PROMPT_TOP_K, 0], "top_k": [3, 0]}
     return [
         Step([p(n) for n in (1, 2, 7, 33, 100)], [0, 1, 2, 3, 4]),
-        # output options: top-k and prompt logprobs join the ranks' vocabulary slices
+        # output options: top-k and prompt logprobs (and their top-k) join the ranks' slices
         Step(
-            [p(n) for n in (9, 40, 3)],
-            [20, 21, 22],
-            options=[prompt_lp, prompt_lp | embed, 0],
-            top_k=[5, 0, 3],
+            [p(n) for n in (9, 40, 3, 12)],
+            [20, 21, 22, 23],
+            options=[prompt_lp, prompt_lp | embed, 0, prompt_lp | protocol.OPT_PROMPT_TOP_K],
+            top_k=[5, 0, 3, 4],
         ),
         # a chunked prompt: its KV cache lives across forwards on every rank
-        Step([long[:90], p(5)], [10, 11], starts=[0, 0], last=[False, True]),
-        Step([long[90:], p(3)], [10, 12], starts=[90, 0], last=[True, True]),
+        Step([long[:90], p(5)], [10, 11], starts=[0, 0], last=[False, True], **chunk_opts),
+        Step([long[90:], p(3)], [10, 12], starts=[90, 0], last=[True, True], **chunk_opts),
     ]
 
 
@@ -52,7 +53,9 @@ def check_same(got: list[Out], want: list[Out]) -> None:
         assert g.ids == w.ids, f"step {step}"
         assert g.tokens == w.tokens, f"step {step}"
         assert g.top_k_ids == w.top_k_ids, f"step {step}"
-        for name in ("logprobs", "top_k_logprobs", "prompt_logprobs", "embeddings"):
+        assert g.prompt_top_k_ids == w.prompt_top_k_ids, f"step {step}"
+        names = ("logprobs", "top_k_logprobs", "prompt_logprobs", "prompt_top_k_logprobs")
+        for name in (*names, "embeddings"):
             a, b = getattr(g, name), getattr(w, name)
             assert len(a) == len(b), f"step {step}: {name}"
             diff = np.abs(np.subtract(a, b)).max(initial=0.0)

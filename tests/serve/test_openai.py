@@ -82,6 +82,31 @@ def test_echo_with_the_next_token_matches_scoring_one_longer(client):
     )
 
 
+def test_echo_top_logprobs_at_every_prompt_position_are_the_next_token_top_k(client):
+    """lm-eval's is_greedy reads the echoed prompt's top_logprobs: at each position the N best
+    tokens given the ones before it (plus the prompt token), as the engine's own top-N for that
+    prefix gives them, the greedy token first; the scored golden token is the greedy one."""
+    prompt, token, logprob = GOLDEN["prompts"][3], GOLDEN["tokens"][3], GOLDEN["logprobs"][3]
+    full = [*prompt, token]
+    out = client.completions.create(
+        model="m", prompt=full, max_tokens=0, echo=True, logprobs=5, temperature=0
+    )
+    lp = out.choices[0].logprobs
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(full)
+    prefixes = [full[:j] for j in range(1, len(full))]
+    nexts = client.completions.create(model="m", prompt=prefixes, max_tokens=1, logprobs=5)
+    for j, choice in enumerate(nexts.choices, start=1):
+        top, own = lp.top_logprobs[j], f"token_id:{full[j]}"
+        assert own in top and top[own] == lp.token_logprobs[j]
+        best = choice.logprobs.top_logprobs[0]  # the engine's top-5 after the prefix
+        assert len(best) == 5 and set(best) <= set(top) and len(top) <= 6
+        for text, value in best.items():
+            assert abs(top[text] - value) < 1e-5, (j, text)
+        assert max(top, key=top.get) == choice.logprobs.tokens[0]  # the greedy token
+    assert max(lp.top_logprobs[-1], key=lp.top_logprobs[-1].get) == f"token_id:{token}"
+    assert abs(lp.top_logprobs[-1][f"token_id:{token}"] - logprob) < TOL
+
+
 def test_unknown_fields_are_tolerated(client):
     extra = {"no_stop_trim": True, "ignore_eos": False, "skip_special_tokens": True,
              "return_hidden_states": False, "stream": False}  # fmt: skip

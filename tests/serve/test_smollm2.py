@@ -62,6 +62,31 @@ def test_scoring_equals_transformers_fp64(client):
     assert out.choices[0].text == "The capital of France is Paris"
 
 
+def test_echo_top_logprobs_at_prompt_positions_are_the_models(client):
+    """Scoring each golden prompt followed by the model's token (what lm-eval's loglikelihood
+    sends, reading `is_greedy` from the echoed top_logprobs): at that last prompt position the
+    top-5 are transformers' (fp64) with the token first; at every earlier position they equal
+    the server's own next-token top-5 after that prefix."""
+    full = [[*c["ids"], c["token"]] for c in CASES]
+    out = client.completions.create(
+        model="smollm2", prompt=full, max_tokens=0, echo=True, logprobs=5, temperature=0
+    )
+    for case, choice in zip(CASES, out.choices, strict=True):
+        top = choice.logprobs.top_logprobs[-1]
+        assert max(top, key=top.get) == case["token_text"]  # is_greedy
+        assert abs(top[case["token_text"]] - case["logprob"]) < TOL
+        np.testing.assert_allclose(sorted(top.values(), reverse=True)[:5],
+                                   case["top_k_logprobs"], atol=TOL)  # fmt: skip
+    echoed = out.choices[0].logprobs
+    prefixes = [full[0][:j] for j in range(1, len(full[0]))]
+    nexts = client.completions.create(model="smollm2", prompt=prefixes, max_tokens=1, logprobs=5)
+    for j, choice in enumerate(nexts.choices, start=1):
+        top, best = echoed.top_logprobs[j], choice.logprobs.top_logprobs[0]
+        assert set(best) <= set(top) and max(top, key=top.get) == choice.logprobs.tokens[0]
+        for text, value in best.items():
+            assert abs(top[text] - value) < 1e-4, (j, text)
+
+
 def test_token_id_prompts_score_like_text(client):
     ids = [c["ids"] for c in CASES[:3]]
     out = client.completions.create(
