@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import _posixshmem
 import contextlib
+import functools
 import mmap
 import os
 import secrets
@@ -299,6 +300,12 @@ class KVExports:
             return  # an earlier request's closed export, kept (never this request's)
         self.release(ticket)
         _remove(ticket.name)
+
+    def reserve_for(self, future: Any, num_tokens: int) -> KVTicket:
+        """`reserve` for the request whose future is `future`, settled when it ends."""
+        ticket = self.reserve(num_tokens)
+        future.add_done_callback(functools.partial(self.settle, ticket))
+        return ticket
 
     def settle(self, ticket: KVTicket, future: Any) -> None:
         """Done-callback (partial on the ticket) of a `return_kv` request's future: when it

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 from typing import Any
 
@@ -161,7 +160,9 @@ class Engine(EngineControls):
             vocab_size = self.config.model.vocab_size
             prompt = validate_prompt(tokens, vocab_size, self.config.max_prompt_tokens or 0)
             outputs = parse_outputs(
-                prompt_logprobs=prompt_logprobs, top_k=top_k, prompt_top_k=prompt_top_k,
+                prompt_logprobs=prompt_logprobs,
+                top_k=top_k,
+                prompt_top_k=prompt_top_k,
                 embed=embed,
                 normalize=normalize,
                 return_kv=return_kv,
@@ -179,8 +180,7 @@ class Engine(EngineControls):
             assert self._life.loop is not None
             future: asyncio.Future[PrefillResult] = self._life.loop.create_future()
             if outputs is not None and return_kv:  # KVBudgetExceeded: nothing queued
-                outputs.kv = self._kv.reserve(len(prompt) >> 2)
-                future.add_done_callback(functools.partial(self._kv.settle, outputs.kv))
+                outputs.kv = self._kv.reserve_for(future, len(prompt) >> 2)
         except AioprefillError as exc:
             if request_id is None:
                 raise

