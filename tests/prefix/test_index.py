@@ -51,7 +51,7 @@ def test_a_second_prompt_reads_the_blocks_the_first_wrote():
     first = request(1, list(range(10)), cache)  # blocks 0, 1 full; 2 ids left over
     chunks, columns, pins = run(cache, slots, [first])
     assert [(c.start, c.end, c.cached) for c in chunks] == [(0, 10, 0)]
-    read_off, read_slots, write_off, write_slots, write_first = (
+    read_off, _read_slots, write_off, write_slots, write_first = (
         np.frombuffer(col, "<i4") for col in columns
     )
     assert list(read_off) == [0, 0] and list(write_off) == [0, 2] and list(write_first) == [0]
@@ -91,17 +91,17 @@ def test_lru_evicts_a_chains_last_block_before_its_parents_and_never_a_pinned_on
     slots = groups(1, 4)
     index = cache.indexes[0]
     a = list(range(1, 13))  # blocks a0 a1 a2
-    _, _, pins_a = run(cache, slots, [request(1, a + [0], cache)])
+    _, _, pins_a = run(cache, slots, [request(1, [*a, 0], cache)])
     cache.release(pins_a)
     ha = cache.hashes(np.asarray(a, "<i4").tobytes(), None)
     assert list(index.lru) == [index.slot_of[h] for h in reversed(ha)]  # a2 oldest
     b = list(range(50, 58))  # needs two slots: one free, then a2 goes
-    _, _, pins_b = run(cache, slots, [request(2, b + [0], cache)])
+    _, _, pins_b = run(cache, slots, [request(2, [*b, 0], cache)])
     assert ha[2] not in index.slot_of and ha[0] in index.slot_of and ha[1] in index.slot_of
     assert cache.evictions == 1
     # While b's batch is in flight its blocks are pinned: a third prompt can only take a's.
     c = list(range(70, 82))
-    chunks, columns, pins_c = run(cache, slots, [request(3, c + [0], cache)])
+    _chunks, columns, pins_c = run(cache, slots, [request(3, [*c, 0], cache)])
     assert list(np.frombuffer(columns[2], "<i4")) == [0, 2]  # only two slots were unpinned
     assert cache.evictions == 3 and not any(h in index.slot_of for h in ha)
     cache.check([pins_b, pins_c])
@@ -116,7 +116,10 @@ def test_an_unsent_batch_gives_back_its_slots_and_pins():
     _, _, pins = run(cache, slots, [request(1, list(range(9)), cache)])
     cache.release(pins)
     plan = cache.plan(0, slots)
-    reqs = [request(2, list(range(9)) + [5] * 8, cache), request(3, list(range(9)) + [5] * 9, cache)]
+    reqs = [
+        request(2, list(range(9)) + [5] * 8, cache),
+        request(3, list(range(9)) + [5] * 9, cache),
+    ]
     take_batch(deque(reqs), 0, Budget(1000, 100), plan)
     assert len(cache.indexes[0]) == 4  # two more blocks written, read by the second (piggyback)
     plan.abort()
@@ -140,9 +143,9 @@ def test_several_groups_a_request_waits_for_the_group_holding_more_unless_it_is_
     cache = PrefixCache(2, B)
     idle = groups(2, 64)
     prefix = list(range(200, 240))  # 10 blocks
-    _, _, pins = run(cache, idle, [request(1, prefix + [1], cache)], group=1)
+    _, _, pins = run(cache, idle, [request(1, [*prefix, 1], cache)], group=1)
     cache.release(pins)
-    r = request(2, prefix + [2], cache)
+    r = request(2, [*prefix, 2], cache)
     chunks, _, _ = run(cache, idle, [r], group=0)
     assert chunks == []  # group 1 is idle and holds 40 tokens of it: left to group 1
     other = request(3, [9] * 9, cache)
@@ -151,7 +154,7 @@ def test_several_groups_a_request_waits_for_the_group_holding_more_unless_it_is_
     chunks, _, _ = run(cache, groups(2, 64, in_flight=(0, 41)), [r, other], group=0)
     assert [c.request.request_id for c in chunks] == [2, 3]  # 41 > 40: computed here
     # Nothing else to do: a busy group's favourite is taken rather than leave group 0 idle.
-    r2 = request(4, prefix + [3], cache)
+    r2 = request(4, [*prefix, 3], cache)
     chunks, _, _ = run(cache, groups(2, 64, in_flight=(0, 39)), [r2], group=0)
     assert [c.request.request_id for c in chunks] == [4]
 
