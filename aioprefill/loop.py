@@ -67,7 +67,8 @@ class Engine(EngineControls):
         self._timer = LoopTimer(self._on_timer)
         # chosen once: no event branches on its name
         policy = policy_class(config.policy, expert_parallel=config.expert_parallel)
-        self._sched = Scheduler(budget, staging=policy.staging, cache=prefix_cache_for(config))
+        cache = prefix_cache_for(config, self._pool.slots)  # what every group's cache holds
+        self._sched = Scheduler(budget, staging=policy.staging, cache=cache)
         transfer = TransferRegistry(config.kv_transfer_options) if config.kv_transfer else None
         self._kv = KVExports(config.model, config.max_kv_export_bytes, transfer)
         self._outcomes = Outcomes(self._sched, self._pool.free_later, self._stats, self._kv)
@@ -215,8 +216,7 @@ class Engine(EngineControls):
         if Scheduler.checking:
             self._sched.check_invariants(self._pool.in_flight_batches())
 
-    def _cancel(self, req: Request) -> None:
-        """The caller went away: drop the request wherever it is."""
+    def _cancel(self, req: Request) -> None:  # the caller went away: drop it wherever it is
         self._outcomes.cancelled(req)
         self._after_event()
 

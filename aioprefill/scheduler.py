@@ -26,6 +26,7 @@ from aioprefill.core import Budget, Chunk, Request
 from aioprefill.invariants import recount
 from aioprefill.prefix.cache import PrefixCache
 from aioprefill.prefix.plan import BatchPlan
+from aioprefill.protocol import BatchFailed
 
 __all__ = ["BatchSink", "InFlight", "Scheduler"]
 
@@ -35,11 +36,11 @@ class InFlight(Protocol):
 
     chunks: list[Chunk]
     pins: Any
+    answer: Any
 
 
 class BatchSink(Protocol):
-    """Where formed batches go: the `WorkerPool`, or a fake one in tests. With a prefix cache
-    the scheduler also reads its `slots` (`cache_blocks`, `block_bytes`, `generation`)."""
+    """Where formed batches go: the `WorkerPool`, or a fake one in tests."""
 
     def send(self, group: int, columns: Columns, *, backlogged: bool) -> InFlight | None:
         """Write one batch to every rank of `group`; None (nothing written) if a ring is full."""
@@ -140,7 +141,7 @@ class Scheduler:
     def _plan(self, group: int, sink: BatchSink, *, route: bool = False) -> BatchPlan | None:
         if self.cache is None:
             return None
-        return self.cache.plan(group, sink.slots, route=route)  # type: ignore[attr-defined]
+        return self.cache.plan(group, route=route)
 
     def _send(
         self,
@@ -271,7 +272,7 @@ class Scheduler:
         `release`."""
         if batch.pins is not None:
             assert self.cache is not None
-            self.cache.release(batch.pins)
+            self.cache.release(batch.pins, failed=isinstance(batch.answer, BatchFailed))
             batch.pins = None
         return self.release(batch.chunks)
 

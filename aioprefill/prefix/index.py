@@ -130,6 +130,18 @@ class BlockIndex:
         self.hash_of[slot] = block
         self.pins[slot] = 1
 
+    def discard(self, slot: int) -> bool:
+        """Forget the block `slot` holds (its batch failed: it may never have been written).
+        A pinned slot (a batch sent since reads it, and the worker refuses that read) goes
+        free when its last pin is released. False if the slot held no block."""
+        if self.slot_of.get(self.hash_of[slot]) != slot:
+            return False
+        del self.slot_of[self.hash_of[slot]]
+        if not self.pins[slot]:
+            del self.lru[slot]
+            self.free.append(slot)
+        return True
+
     def forget(self, slot: int) -> None:
         """Undo `put` for a batch that was never sent (its one pin included)."""
         del self.slot_of[self.hash_of[slot]]
@@ -150,7 +162,8 @@ class BlockIndex:
             problems.append("a negative pin count")
         if lru & pinned or free & pinned or free & lru or len(free) != len(self.free):
             problems.append("a slot in two of free / pinned / LRU")
-        if not pinned <= held or lru != held - pinned or free != set(range(self.num_blocks)) - held:
+        # (a pinned slot may hold no block: a failed batch's write that a later batch reads)
+        if lru != held - pinned or free != set(range(self.num_blocks)) - held - pinned:
             problems.append(
                 f"slots unaccounted: {self.num_blocks} slots, {len(free)} free, "
                 f"{len(pinned)} pinned, {len(lru)} in the LRU, {len(held)} held"

@@ -38,12 +38,13 @@ __all__ = ["BatchPlan", "Pins"]
 class Pins:
     """The slots a sent batch pinned on one group's index, released with its answer."""
 
-    __slots__ = ("epoch", "group", "slots")
+    __slots__ = ("epoch", "group", "slots", "written")
 
-    def __init__(self, group: int, epoch: int, slots: list[int]) -> None:
+    def __init__(self, group: int, epoch: int, slots: list[int], written: list[int]) -> None:
         self.group = group
         self.epoch = epoch
-        self.slots = slots
+        self.slots = slots  # every pin, in the order taken
+        self.written = written  # the slots it writes
 
 
 class BatchPlan:
@@ -191,7 +192,7 @@ class BatchPlan:
                 observer.stored(self.group, hashes[first : first + count], parent, ids.tolist())
         if not self.pins:
             return None
-        return Pins(self.group, self.index.epoch, self.pins)
+        return Pins(self.group, self.index.epoch, self.pins, self.new)
 
     def abort(self) -> None:
         """The batch was not sent: give back every pin and every slot it was to write."""
