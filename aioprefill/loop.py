@@ -8,8 +8,7 @@ docs/architecture.md. All of it lives on the engine's loop: no threads, locks or
 - a caller's `prefill()` (the request joins the queue; an idle group may get it at once),
 - a group's forward-done eventfd (with policy ``forward`` the group is handed its next batch
   *before* its answer is decoded, so the gap between its forwards is one wake-up),
-- a group's death (its requests are retried or failed, and it is restarted),
-- the policy's timer (``timeout``) and the pool's forward timers.
+- a group's death (its requests retried or failed, it restarted), and the timers.
 """
 
 from __future__ import annotations
@@ -246,13 +245,14 @@ class Engine(EngineControls):
         if not done:
             return
         for batch in done:
-            free = self._sched.answered(batch)  # (its cache slots released too)
+            free = self._sched.release(batch.chunks)
             if free >= 0 and slot.ready:  # a cancelled prompt's chunk: drop its KV cache
                 self._pool.free_later(slot.index, [free])
         # Next batch first: every microsecond spent here before the ring write is bubble.
         if self._sched.num_pending and self._life.serving:
             self._policy.on_forward_done(slot.index)
         for batch in done:
+            self._sched.unpin(batch)  # its prefix cache slots: after the next batch went
             msg = batch.answer
             if isinstance(msg, BatchFailed):
                 self._outcomes.fail_batch(slot.index, batch, msg)

@@ -61,6 +61,7 @@ class PrefixCache:
     ) -> None:
         self.slots = slots
         self.block_tokens = block_tokens
+        self.min_bytes = 4 * block_tokens  # a prompt shorter than this has no block to hash
         self.max_read_blocks = max_read_blocks  # per batch: its frame must fit the ring
         self.indexes = [BlockIndex() for _ in slots]
         self._generation = [-1] * len(slots)  # the start of each group its index describes
@@ -134,7 +135,7 @@ class PrefixCache:
                 expected[p.group].update(p.slots)
         for group, index in enumerate(self.indexes):
             index.check()
-            held = {s: n for s, n in enumerate(index.pins) if n}
+            held = dict(index.pins)
             if held != dict(expected[group]):
                 raise AssertionError(
                     f"prefix index of group {group}: pins {held} but batches in flight "

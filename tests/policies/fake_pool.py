@@ -136,7 +136,8 @@ class Harness:
             self.policy.on_answer_waiting(group)
         batch = g.in_flight.popleft()
         g.ring_full = False
-        free = self.sched.answered(batch)
+        free = self.sched.release(batch.chunks)
+        self.sched.unpin(batch)
         if free >= 0:
             g.freed.append(free)
         if self.sched.num_pending:

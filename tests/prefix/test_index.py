@@ -162,10 +162,10 @@ def test_several_groups_a_request_waits_for_the_group_holding_more_unless_it_is_
 
 def test_index_check_catches_a_slot_in_two_places():
     index = BlockIndex(4, 10)
-    slot = index.take()
-    index.put(7, slot)
+    slots = index.take(1)
+    index.put([7], slots)
     index.check()
-    index.free.append(slot)
+    index.free.append(slots[0])
     try:
         index.check()
     except AssertionError as exc:
