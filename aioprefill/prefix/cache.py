@@ -105,9 +105,23 @@ class PrefixCache:
             lost = [index.hash_of[s] for s in pins.written if index.discard(s)]
             if lost and self.observer is not None:
                 self.observer.removed(pins.group, lost)
-        unpin = index.unpin
-        for slot in reversed(pins.slots):
-            unpin(slot)
+        held, hash_of, lru, free, count = (
+            index.slot_of,
+            index.hash_of,
+            index.lru,
+            index.free,
+            index.pins,
+        )
+        for slot in reversed(pins.slots):  # `BlockIndex.unpin`, inlined: ~1 per block written
+            n = count[slot]
+            if n > 1:
+                count[slot] = n - 1
+                continue
+            del count[slot]
+            if held.get(hash_of[slot]) == slot:
+                lru[slot] = None
+            else:
+                free.append(slot)
 
     def drop(self, group: int) -> None:
         """The group died or restarts: forget everything it held (never read from it again)."""
