@@ -54,12 +54,13 @@ def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
         except ModuleNotFoundError as exc:  # EngineConfig checks first; this is the backstop
             raise ModuleNotFoundError(f"{exc}; PaddleModel needs {PADDLE_EXTRA_HINT}") from exc
 
+        cache = {"prefix_cache_bytes": spec.prefix_cache_bytes, "block_tokens": spec.block_tokens}
         if not grouped:
-            return PaddleRunner(spec.model, spec.worker)
+            return PaddleRunner(spec.model, spec.worker, **cache)
         from aioprefill.workers.collectives import PaddleGroup
 
         group = PaddleGroup(place.rank, place.size, place.master, spec.collective_timeout_s)
-        return PaddleRunner(spec.model, spec.worker, group=group, mode=place.mode)
+        return PaddleRunner(spec.model, spec.worker, group=group, mode=place.mode, **cache)
     from aioprefill.workers.barrier import SocketBarrier
     from aioprefill.workers.sim import SimRunner
 
@@ -125,6 +126,8 @@ def _serve(spec: protocol.WorkerSpec, inbox: Channel, outbox: Channel, started_n
         device=runner.device,
         started_ns=started_ns,
         ready_ns=time.monotonic_ns(),
+        cache_blocks=getattr(runner, "cache_blocks", 0),  # prefix cache slots (0: off)
+        block_bytes=getattr(runner, "block_bytes", 0),
     )
     outbox.send_blocking(protocol.encode(ready))
     _serve_batches(spec, runner, inbox, outbox)

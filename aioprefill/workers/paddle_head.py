@@ -31,12 +31,14 @@ from aioprefill.workers.paddle_norm import RmsNorm
 from aioprefill.workers.paddle_shard import Shard
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
-__all__ = ["OutputHead", "host"]
+__all__ = ["OutputHead", "Prefixes", "host"]
 
 # Prompt log-probabilities run the head over many rows: at most this many at a time (without
 # deterministic tiles), so a long prompt's [rows, vocab] logits stay ~64 MB.
 _MAX_ROWS = 512
 _EMBED = protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN
+# Per batch index: a chunk's cached positions, as hidden rows [n, hidden] and token ids int32[n].
+Prefixes = dict[int, tuple[paddle.Tensor, np.ndarray]]
 
 
 class _Rows(NamedTuple):
@@ -94,13 +96,19 @@ class OutputHead:
 
     # ------------------------------------------------------------------ the batch
 
-    def __call__(self, x: paddle.Tensor, batch: ForwardBatch) -> ForwardOutput:
-        """Outputs for a forward whose final hidden states (before the norm) are `x`."""
+    def __call__(
+        self, x: paddle.Tensor, batch: ForwardBatch, prefixes: Prefixes | None = None
+    ) -> ForwardOutput:
+        """Outputs for a forward whose final hidden states (before the norm) are `x`.
+        `prefixes`: per batch index of a chunk that read cached blocks, the hidden rows and
+        token ids of those positions; its outputs cover them as if it had computed them."""
         offsets = batch.offsets.astype(np.int64)
         rids = batch.request_ids.tolist()
-        self.free([rid for rid, s in zip(rids, batch.start_pos.tolist(), strict=True) if s == 0])
-        plp, p_ids, p_lps = self._prompt_logprobs(x, batch, offsets, rids)
-        self._mean_sums(x, batch, offsets, rids)
+        prefixes = prefixes or {}
+        starts = batch.start_pos.tolist()
+        self.free([rid for i, rid in enumerate(rids) if starts[i] == 0 or i in prefixes])
+        plp, p_ids, p_lps = self._prompt_logprobs(x, batch, offsets, rids, prefixes)
+        self._mean_sums(x, batch, offsets, rids, prefixes)
         done = np.flatnonzero(batch.is_last)
         if len(done) == 0:
             empty = np.empty(0, dtype=np.int64)
@@ -147,10 +155,16 @@ class OutputHead:
         )
 
     def _prompt_logprobs(
-        self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray, rids: list[int]
+        self,
+        x: paddle.Tensor,
+        batch: ForwardBatch,
+        offsets: np.ndarray,
+        rids: list[int],
+        prefixes: Prefixes,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """float32, per chunk that asked, back to back: log p(token j | tokens < j) for each of
-        the chunk's tokens that has a predecessor (the first chunk's first token has none); and
+        the chunk's tokens that has a predecessor (the first chunk's first token has none; a
+        chunk after cached blocks answers for those positions too, from their hidden rows); and
         for the chunks with OPT_PROMPT_TOP_K, their `top_k` best ids / logprobs at those rows.
         Rows with and without top-k go through the head apart (top-k only where asked; every
         result is per row, so the split changes no value)."""
@@ -164,6 +178,13 @@ class OutputHead:
             parts, targets = groups.setdefault(bool(wants_top[i]), ([], []))
             carried = self._carry.pop(rids[i], None)
             rows = 0
+            if i in prefixes:  # cached positions: the head on their stored hidden rows
+                hidden, tokens = prefixes[i]
+                if len(tokens) > 1:
+                    parts.append(hidden[:-1])
+                    targets.append(tokens[1:])
+                    rows += len(tokens) - 1
+                carried = hidden[-1:]
             if carried is not None:  # the previous chunk's last row predicts this chunk's first
                 parts.append(carried)
                 targets.append(batch.tokens[a : a + 1])
@@ -200,21 +221,35 @@ class OutputHead:
         )
 
     def _mean_sums(
-        self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray, rids: list[int]
+        self,
+        x: paddle.Tensor,
+        batch: ForwardBatch,
+        offsets: np.ndarray,
+        rids: list[int],
+        prefixes: Prefixes,
     ) -> None:
-        """Add each mean-pooling chunk's final-norm rows to its request's float64 sum."""
+        """Add each mean-pooling chunk's final-norm rows (after its cached positions' rows) to
+        its request's float64 sum, one row after the other in position order, so a prompt
+        summed whole, in chunks or after cached blocks gets the same bits."""
         if batch.options is None:
             return
         for i in np.flatnonzero(batch.has(protocol.OPT_EMBED_MEAN)).tolist():
             a, b = int(offsets[i]), int(offsets[i + 1])
-            rows = self._rms_norm(x[a:b], self._norm, self._eps)
-            total: np.ndarray
-            if rows.place.is_cpu_place():  # summed in float64 without a float64 copy
-                total = np.asarray(np.sum(host(rows), axis=0, dtype=np.float64))
-            else:  # on the device: only the sum comes back
-                total = rows.astype("float64").sum(axis=0).numpy()
             rid = rids[i]
-            self._sums[rid] = total if rid not in self._sums else self._sums[rid] + total
+            chunks = [x[a:b]] if i not in prefixes else [prefixes[i][0], x[a:b]]
+            for h in chunks:
+                rows = self._rms_norm(h, self._norm, self._eps)
+                total: np.ndarray
+                if rows.place.is_cpu_place():  # summed in float64 without a float64 copy
+                    if rid in self._sums:  # NumPy adds the rows of axis 0 in order
+                        both = [self._sums[rid][None], host(rows).astype(np.float64)]
+                        total = np.sum(np.concatenate(both), axis=0)
+                    else:
+                        total = np.asarray(np.sum(host(rows), axis=0, dtype=np.float64))
+                else:  # on the device: only the sum comes back
+                    total = rows.astype("float64").sum(axis=0).numpy()
+                    total = total if rid not in self._sums else self._sums[rid] + total
+                self._sums[rid] = total
 
     # ------------------------------------------------------------------ rows of the head
 
