@@ -17,9 +17,11 @@ block_bytes` slots and never touched until written, so the worker's RSS grows wi
 used. Layout `[layer][kv_head, slot, position, dim]`: gathering a request's slots of one layer
 is one fancy index that lands as `[kv_heads, slots * block_tokens, dim]`, what attention reads.
 
-Bytes per block (block_tokens=16, one rank): SmolLM2-135M (30 layers, 3 KV heads of 64,
-hidden 576) 16 * (2*30*3*64 + 576) * 4 = 774,144 bytes (756 KiB); the tiny default model (4
-layers, 4 KV heads of 32, hidden 256) 81,920 bytes (80 KiB).
+Bytes per block (block_tokens=16, one rank): 4 * 16 * (2 * layers * kv_heads * head_dim +
+hidden + 1): SmolLM2-135M (30 layers, 3 KV heads of 64, hidden 576) 774,208 bytes (~756 KiB, so
+1 GiB holds 1,386 blocks, 22,176 tokens); the tiny default model (4 layers, 4 KV heads of 32,
+hidden 256) 81,984 bytes (~80 KiB). A TP rank keeps its share of the KV heads (and all of the
+hidden rows).
 """
 
 from __future__ import annotations
