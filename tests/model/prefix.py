@@ -72,14 +72,24 @@ def with_options(
     )
 
 
-def check_same(got: ForwardOutput, want: ForwardOutput, *, bitwise: bool, what: str = "") -> None:
+def check_same(
+    got: ForwardOutput,
+    want: ForwardOutput,
+    *,
+    bitwise: bool,
+    what: str = "",
+    relative: bool = False,
+) -> None:
+    """Every output field equal (ids always; floats bitwise, or within 1e-5: of the value's
+    magnitude when above 1 with `relative`)."""
     for name in FIELDS:
         a, b = getattr(got, name), getattr(want, name)
         assert a.shape == b.shape, f"{what} {name}: shape {a.shape} vs {b.shape}"
         if bitwise or a.dtype.kind in "iu":
             assert np.array_equal(a, b), f"{what} {name} differs"
         else:
-            diff = np.abs(a.astype(np.float64) - b).max(initial=0.0)
+            scale = np.maximum(1.0, np.abs(b)) if relative else 1.0
+            diff = (np.abs(a.astype(np.float64) - b) / scale).max(initial=0.0)
             assert diff <= 1e-5, f"{what} {name}: |d| = {diff:.2e}"
 
 
