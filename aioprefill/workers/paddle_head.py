@@ -31,14 +31,25 @@ from aioprefill.workers.paddle_norm import RmsNorm
 from aioprefill.workers.paddle_shard import Shard
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
-__all__ = ["OutputHead", "Prefixes", "host"]
+__all__ = ["Cached", "OutputHead", "Prefixes", "host"]
 
 # Prompt log-probabilities run the head over many rows: at most this many at a time (without
 # deterministic tiles), so a long prompt's [rows, vocab] logits stay ~64 MB.
 _MAX_ROWS = 512
 _EMBED = protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN
-# Per batch index: a chunk's cached positions, as hidden rows [n, hidden] and token ids int32[n].
-Prefixes = dict[int, tuple[paddle.Tensor, np.ndarray]]
+
+
+class Cached(NamedTuple):
+    """A chunk's cached positions [0, n): their hidden rows [n, hidden] (before the final norm)
+    and token ids int32[n], and, when the slots kept them, the prompt outputs of each token
+    (logprob float32[n], top-k ids int32[n, k] and logprobs float32[n, k]; token 0's unused)."""
+
+    hidden: paddle.Tensor
+    tokens: np.ndarray
+    scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+
+
+Prefixes = dict[int, Cached]  # by batch index
 
 
 class _Rows(NamedTuple):
@@ -172,15 +183,18 @@ class OutputHead:
         wants_top = batch.has(protocol.OPT_PROMPT_TOP_K)
         top_k = batch.top_k_of()
         groups: dict[bool, tuple[list[paddle.Tensor], list[np.ndarray]]] = {}
-        sizes: list[tuple[bool, int, int]] = []  # per asked chunk: (top-k?, rows, k)
+        # per asked chunk: (top-k?, rows, k, values kept in the cache for its first rows)
+        sizes: list[tuple[bool, int, int, tuple[np.ndarray, ...] | None]] = []
         for i in asked.tolist():
             a, b = int(offsets[i]), int(offsets[i + 1])
             parts, targets = groups.setdefault(bool(wants_top[i]), ([], []))
             carried = self._carry.pop(rids[i], None)
-            rows = 0
-            if i in prefixes:  # cached positions: the head on their stored hidden rows
-                hidden, tokens = prefixes[i]
-                if len(tokens) > 1:
+            rows, kept = 0, None
+            if i in prefixes:  # cached positions: kept values, or the head on their hidden rows
+                hidden, tokens, scores = prefixes[i]
+                if scores is not None:
+                    kept = tuple(a[1:] for a in scores)
+                elif len(tokens) > 1:
                     parts.append(hidden[:-1])
                     targets.append(tokens[1:])
                     rows += len(tokens) - 1
@@ -195,17 +209,22 @@ class OutputHead:
                 rows += b - a - 1
             if not batch.is_last[i]:
                 self._carry[rids[i]] = x[b - 1 : b].clone()
-            sizes.append((bool(wants_top[i]), rows, int(top_k[i])))
+            sizes.append((bool(wants_top[i]), rows, int(top_k[i]), kept))
         done: dict[bool, _Rows] = {}
         for top, (parts, targets) in groups.items():
             if parts:
                 h = paddle.concat(parts) if len(parts) > 1 else parts[0]
-                kmax = max(k for t, _, k in sizes if t) if top else 0
+                kmax = max(k for t, _, k, _ in sizes if t) if top else 0
                 done[top] = self._rows(h, kmax, np.concatenate(targets).astype(np.int64))[1]
         plps, ids, lps, at = [], [], [], {False: 0, True: 0}
-        for top, rows, k in sizes:
+        for top, rows, k, kept in sizes:
             r, lo = done.get(top), at[top]
             at[top] = lo + rows
+            if kept is not None:
+                plps.append(kept[0])
+                if top:
+                    ids.append(kept[1].ravel())
+                    lps.append(kept[2].ravel())
             if r is None or not rows:
                 continue
             assert r.picked is not None

@@ -10,7 +10,10 @@ The engine's plan for a chunk rides on the batch (`BatchPlan`). Inside the forwa
   finds that layer's keys and values there;
 - after the last layer (`after_layers`), the written blocks' hidden rows and token ids are
   stored, then each reading request gets its cached positions' hidden rows and tokens for the
-  head (prompt log-probabilities, prompt top-k and mean pooling over them);
+  head (prompt log-probabilities, prompt top-k and mean pooling over them), and the prompt
+  outputs the slots kept when every slot kept them;
+- after the head (`keep_scores`), the prompt outputs of every written block that the chunk
+  computed whole are kept in its slot;
 - a chunk that does not end its prompt keeps, in its `KVCache`, the hidden rows and tokens of
   the block it leaves unfinished (`keep_tail`), for the next chunk's write.
 """
@@ -20,10 +23,11 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from aioprefill import protocol
 from aioprefill.workers.paddle_attention import KVCache
-from aioprefill.workers.paddle_head import host
-from aioprefill.workers.prefix_blocks import BatchPlan, BlockStore
-from aioprefill.workers.runner import ForwardBatch
+from aioprefill.workers.paddle_head import Cached, Prefixes, host
+from aioprefill.workers.prefix_blocks import SCORED_TOP_K, BatchPlan, BlockStore
+from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 __all__ = ["PrefixForward", "keep_tail"]
 
@@ -77,9 +81,10 @@ class PrefixForward:
 
     def after_layers(
         self, x: paddle.Tensor, batch: ForwardBatch, caches: list[KVCache]
-    ) -> dict[int, tuple[paddle.Tensor, np.ndarray]]:
+    ) -> Prefixes:
         """Store the written blocks' hidden rows and tokens; then, per reading request (batch
-        index), its cached positions' hidden rows (on the device) and token ids."""
+        index), its cached positions' hidden rows (on the device), token ids and kept prompt
+        outputs (when it asks for prompt logprobs and every slot kept them)."""
         store, plan, b = self.store, self.plan, self.store.block_tokens
         for i, writes in enumerate(plan.writes):
             if not len(writes):
@@ -98,11 +103,44 @@ class PrefixForward:
                 tokens.insert(0, tail[1][lo - held :])
             store.write_rows(writes, np.concatenate(rows), np.concatenate(tokens))
         prefixes = {}
+        asked, top = batch.has(protocol.OPT_PROMPT_LOGPROBS), batch.has(protocol.OPT_PROMPT_TOP_K)
+        top_k = batch.top_k_of()
         for i, reads in enumerate(plan.reads):
             if len(reads):
-                hidden, tokens = store.read_rows(reads)
-                prefixes[i] = (_to_device(hidden, x.dtype), tokens)
+                hidden, ids = store.read_rows(reads)
+                k = int(top_k[i]) if top[i] else 0
+                scores = store.read_scores(reads, k) if asked[i] else None
+                prefixes[i] = Cached(_to_device(hidden, x.dtype), ids, scores)
         return prefixes
+
+    def keep_scores(self, batch: ForwardBatch, out: ForwardOutput) -> None:
+        """Keep in each written slot the prompt outputs its request computed for every token
+        of the block in this chunk (`out`'s columns, as the head answered them)."""
+        asked, top = batch.has(protocol.OPT_PROMPT_LOGPROBS), batch.has(protocol.OPT_PROMPT_TOP_K)
+        top_k, ends = batch.top_k_of(), batch.start_pos + batch.seq_lens()
+        b, at, at_top = self.store.block_tokens, 0, 0
+        for i in np.flatnonzero(asked).tolist():
+            start, writes = self._start[i], self.plan.writes[i]
+            first = 1 if start == 0 or len(self.plan.reads[i]) else start  # first token valued
+            rows, k = int(ends[i]) - first, int(top_k[i]) if top[i] else 0
+            lp = out.prompt_logprobs[at : at + rows]
+            ids = out.prompt_top_k_ids[at_top : at_top + rows * k].reshape(rows, k)
+            lps = out.prompt_top_k_logprobs[at_top : at_top + rows * k].reshape(rows, k)
+            at, at_top = at + rows, at_top + rows * k
+            if k > SCORED_TOP_K:
+                continue
+            for j, slot in enumerate(writes.tolist()):
+                lo = (self.plan.first_write[i] + j) * b
+                if max(lo, 1) < first:
+                    continue  # an earlier chunk computed part of this block
+                a = max(lo, 1) - first
+                if lo == 0:  # the prompt's first token has no logprob: a 0 row in its place
+                    vals = [
+                        np.concatenate([np.zeros_like(c[:1]), c[: b - 1]]) for c in (lp, ids, lps)
+                    ]
+                else:
+                    vals = [c[a : a + b] for c in (lp, ids, lps)]
+                self.store.write_scores(slot, *vals)
 
 
 def keep_tail(

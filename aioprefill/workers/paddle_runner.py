@@ -331,5 +331,7 @@ class PaddleRunner:
             cache.length = ends[i]
             self._cache[rid] = cache
         out = self._outputs(x, batch, prefixes)
+        if prefix is not None:
+            prefix.keep_scores(batch, out)
         exports.close()
         return out

@@ -10,7 +10,13 @@ named. A slot holds one block of `block_tokens` prompt positions:
   hidden]`: what prompt log-probabilities, prompt top-k and mean pooling over cached positions
   are computed from (the head and the norm run on these rows exactly as on computed ones), so a
   hit never recomputes a layer;
-- the block's token ids (int32): the targets of the cached positions' prompt log-probabilities.
+- the block's token ids (int32): the targets of the cached positions' prompt log-probabilities;
+- when the request that wrote it asked for prompt log-probabilities (and prompt top-k, up to
+  `SCORED_TOP_K`) and computed every position of the block in the chunk that wrote it: those
+  values, per token (its log-probability given the tokens before, the top-k of the position
+  before), exactly as that request's outputs held them. A reader whose slots all hold them takes
+  them as they are, so scoring a cached context (lm-eval sends every choice of a question as a
+  full prompt) runs the LM head only on the tokens it computes.
 
 Memory: one `np.empty` per array, allocated once at start for `prefix_cache_bytes //
 block_bytes` slots and never touched until written, so the worker's RSS grows with the slots
@@ -18,10 +24,10 @@ used. Layout `[layer][kv_head, slot, position, dim]`: gathering a request's slot
 is one fancy index that lands as `[kv_heads, slots * block_tokens, dim]`, what attention reads.
 
 Bytes per block (block_tokens=16, one rank): 4 * 16 * (2 * layers * kv_heads * head_dim +
-hidden + 1): SmolLM2-135M (30 layers, 3 KV heads of 64, hidden 576) 774,208 bytes (~756 KiB, so
-1 GiB holds 1,386 blocks, 22,176 tokens); the tiny default model (4 layers, 4 KV heads of 32,
-hidden 256) 81,984 bytes (~80 KiB). A TP rank keeps its share of the KV heads (and all of the
-hidden rows).
+hidden + 2 + 2 * 20) + 2: SmolLM2-135M (30 layers, 3 KV heads of 64, hidden 576) 776,834
+bytes (~759 KiB: 1 GiB holds 1,382 blocks, 22,112 tokens); the tiny default model (4 layers,
+4 KV heads of 32, hidden 256) 84,610 bytes (~83 KiB). A TP rank keeps its share of the KV
+heads (and all of the hidden rows).
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ import numpy as np
 
 from aioprefill.workers.runner import ForwardBatch
 
-__all__ = ["BatchPlan", "BlockStore"]
+__all__ = ["SCORED_TOP_K", "BatchPlan", "BlockStore"]
+
+# The most prompt top-k a slot keeps per position (OpenAI's `logprobs` stops at 20).
+SCORED_TOP_K = 20
 
 
 class BlockStore:
@@ -55,14 +64,21 @@ class BlockStore:
         self.values = np.empty(shape, dtype=np.float32)
         self.hidden = np.empty((num_blocks, block_tokens, hidden_size), dtype=np.float32)
         self.tokens = np.empty((num_blocks, block_tokens), dtype=np.int32)
+        # Per slot: -1 no prompt logprobs kept; else they are, with this many top-k of each.
+        self.scored = np.empty(num_blocks, dtype=np.int16)
+        self.logprobs = np.empty((num_blocks, block_tokens), dtype=np.float32)
+        top = (num_blocks, block_tokens, SCORED_TOP_K)
+        self.top_ids = np.empty(top, dtype=np.int32)
+        self.top_logprobs = np.empty(top, dtype=np.float32)
 
     @staticmethod
     def block_bytes(
         *, num_layers: int, kv_heads: int, head_dim: int, hidden_size: int, block_tokens: int
     ) -> int:
-        """Bytes one slot takes: K and V of every layer, the hidden rows, the token ids."""
-        per_position = 2 * num_layers * kv_heads * head_dim + hidden_size + 1
-        return 4 * block_tokens * per_position
+        """Bytes one slot takes: K and V of every layer, the hidden rows, the token ids, the
+        prompt logprobs and top-k."""
+        per_position = 2 * num_layers * kv_heads * head_dim + hidden_size + 2 + 2 * SCORED_TOP_K
+        return 4 * block_tokens * per_position + 2
 
     def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One layer's keys and values of `slots`, in order: `[kv_heads, n * B, head_dim]`."""
@@ -87,6 +103,31 @@ class BlockStore:
     def write_rows(self, slots: np.ndarray, hidden: np.ndarray, tokens: np.ndarray) -> None:
         self.hidden[slots] = hidden.reshape(len(slots), self.block_tokens, -1)
         self.tokens[slots] = tokens.reshape(len(slots), self.block_tokens)
+        self.scored[slots] = -1  # until `write_scores`
+
+    def write_scores(
+        self, slot: int, logprobs: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray
+    ) -> None:
+        """One slot's prompt logprobs [B] and top-k [B, k] (k = 0, or at most SCORED_TOP_K)."""
+        k = top_ids.shape[1]
+        self.logprobs[slot] = logprobs
+        self.top_ids[slot, :, :k] = top_ids
+        self.top_logprobs[slot, :, :k] = top_logprobs
+        self.scored[slot] = k
+
+    def read_scores(
+        self, slots: np.ndarray, top_k: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The kept prompt logprobs [n * B] and top-k [n * B, top_k] of `slots`, or None
+        unless every one of them holds them (with at least `top_k` of each position)."""
+        if int(self.scored[slots].min()) < top_k:
+            return None
+        b = self.block_tokens
+        return (
+            self.logprobs[slots].reshape(-1),
+            self.top_ids[slots, :, :top_k].reshape(len(slots) * b, top_k),
+            self.top_logprobs[slots, :, :top_k].reshape(len(slots) * b, top_k),
+        )
 
 
 @dataclass(frozen=True, slots=True)

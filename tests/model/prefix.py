@@ -79,8 +79,9 @@ def check_same(
     bitwise: bool,
     what: str = "",
     relative: bool = False,
+    tol: float = 1e-5,
 ) -> None:
-    """Every output field equal (ids always; floats bitwise, or within 1e-5: of the value's
+    """Every output field equal (ids always; floats bitwise, or within `tol`: of the value's
     magnitude when above 1 with `relative`)."""
     for name in FIELDS:
         a, b = getattr(got, name), getattr(want, name)
@@ -90,7 +91,7 @@ def check_same(
         else:
             scale = np.maximum(1.0, np.abs(b)) if relative else 1.0
             diff = (np.abs(a.astype(np.float64) - b) / scale).max(initial=0.0)
-            assert diff <= 1e-5, f"{what} {name}: |d| = {diff:.2e}"
+            assert diff <= tol, f"{what} {name}: |d| = {diff:.2e}"
 
 
 def concat_outputs(outs: Sequence[ForwardOutput]) -> ForwardOutput:

@@ -30,7 +30,7 @@ _ids = itertools.count(1000)
 def runner(mode: str) -> PaddleRunner:
     """One runner per mode for the module, with 64 slots."""
     spec = small(deterministic=mode == "deterministic", seed=31)
-    return PaddleRunner(spec, prefix_cache_bytes=64 * 12352, block_tokens=B)
+    return PaddleRunner(spec, prefix_cache_bytes=64 * 14978, block_tokens=B)
 
 
 def prompt(n: int, seed: int) -> np.ndarray:
@@ -79,8 +79,16 @@ def test_hits_equal_the_whole_prompt(mode: str, options: int) -> None:
     # The first request writes its six full blocks (its last token's block is not full).
     first = run(r, [(p, 0)], options, [([], [0, 1, 2, 3, 4, 5], 0)])
     same(first, want, mode, "writer")
+    # The writer computed every position of its blocks: they keep its prompt outputs.
+    store = r._store
+    assert store is not None
+    assert store.scored[:6].tolist() == [3 if options & protocol.OPT_PROMPT_TOP_K else 0] * 6
     # A hit of one block.
     same(run(r, [(p[B:], B)], options, [([0], [], 0)]), want, mode, "1 block")
+    # Fewer prompt top-k than kept (taken from the slots), more (the head on the hidden rows).
+    for k in (2, 5):
+        got = run(r, [(p[B:], B)], options, [([0], [], 0)], top_k=k)
+        same(got, run(r, [(p, 0)], options, top_k=k), mode, f"top_k={k}")
     # All but the last token: a 97-token prompt reads its 6 blocks and computes one token.
     short = p[: 6 * B + 1]
     same(
@@ -200,6 +208,6 @@ def test_plans_the_runner_cannot_follow_are_refused() -> None:
         with pytest.raises(ValueError, match=match):
             r.forward(batch)
     off = PaddleRunner(small(seed=31))
-    assert (off.cache_blocks, off.block_bytes) == (0, 12352)
+    assert (off.cache_blocks, off.block_bytes) == (0, 14978)
     with pytest.raises(ValueError, match="none are kept"):
         off.forward(planned(make_batch([p]), None, [[0]], [0]))
