@@ -12,7 +12,7 @@ The engine's plan for a chunk rides on the batch (`BatchPlan`). Inside the forwa
   stored, then each reading request gets its cached positions' hidden rows and tokens for the
   head (prompt log-probabilities, prompt top-k and mean pooling over them), and the prompt
   outputs the slots kept when every slot kept them;
-- after the head (`keep_scores`), the prompt outputs of every written block that the chunk
+- after the head (`finish`), the prompt outputs of every written block that the chunk
   computed whole are kept in its slot;
 - a chunk that does not end its prompt keeps, in its `KVCache`, the hidden rows and tokens of
   the block it leaves unfinished (`keep_tail`), for the next chunk's write.
@@ -48,6 +48,8 @@ class PrefixForward:
         self.store, self.plan = store, plan
         self._start = batch.start_pos.astype(np.int64).tolist()
         self._a = batch.offsets.astype(np.int64).tolist()
+        self._writes = np.concatenate(plan.writes) if plan.writes else np.empty(0, np.int64)
+        store.ready[self._writes] = False  # until the forward succeeds (`finish`)
 
     def at_layer(
         self, layer: int, i: int, cache: KVCache, k: paddle.Tensor, v: paddle.Tensor
@@ -113,9 +115,11 @@ class PrefixForward:
                 prefixes[i] = Cached(_to_device(hidden, x.dtype), ids, scores)
         return prefixes
 
-    def keep_scores(self, batch: ForwardBatch, out: ForwardOutput) -> None:
-        """Keep in each written slot the prompt outputs its request computed for every token
-        of the block in this chunk (`out`'s columns, as the head answered them)."""
+    def finish(self, batch: ForwardBatch, out: ForwardOutput) -> None:
+        """The forward succeeded: its write slots hold their blocks, and each keeps the prompt
+        outputs its request computed for every token of the block in this chunk (`out`'s
+        columns, as the head answered them)."""
+        self.store.ready[self._writes] = True
         asked, top = batch.has(protocol.OPT_PROMPT_LOGPROBS), batch.has(protocol.OPT_PROMPT_TOP_K)
         top_k, ends = batch.top_k_of(), batch.start_pos + batch.seq_lens()
         b, at, at_top = self.store.block_tokens, 0, 0

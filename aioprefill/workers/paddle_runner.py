@@ -216,7 +216,7 @@ class PaddleRunner:
         if plan is not None:
             if self._store is None:
                 raise ValueError("a batch reads or writes prefix-cache slots, but none are kept")
-            plan.check(batch, self._store.num_blocks, self._store.block_tokens)
+            plan.check(batch, self._store)
         for i, (rid, start) in enumerate(
             zip(batch.request_ids.tolist(), batch.start_pos.tolist(), strict=True)
         ):
@@ -335,6 +335,6 @@ class PaddleRunner:
             self._cache[rid] = cache
         out = self._outputs(x, batch, prefixes)
         if prefix is not None:
-            prefix.keep_scores(batch, out)
+            prefix.finish(batch, out)
         exports.close()
         return out

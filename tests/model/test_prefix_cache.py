@@ -207,6 +207,16 @@ def test_plans_the_runner_cannot_follow_are_refused() -> None:
     for batch, match in cases:
         with pytest.raises(ValueError, match=match):
             r.forward(batch)
+    # A slot no forward wrote, and one whose writing forward failed (its KV export could not
+    # be opened), are never read: the batch is refused rather than answered from them.
+    with pytest.raises(ValueError, match="reads slot 63, which holds no block"):
+        r.forward(planned(make_batch([p[B:]], starts=[B]), [[63]]))
+    r.forward(planned(make_batch([p]), None, [[62]], [0]))
+    bad = with_options(make_batch([p]), [protocol.OPT_RETURN_KV], [0], ["x" * 300])
+    with pytest.raises(OSError):
+        r.forward(planned(bad, None, [[62]], [0]))
+    with pytest.raises(ValueError, match="reads slot 62, which holds no block"):
+        r.forward(planned(make_batch([p[B:]], starts=[B]), [[62]]))
     off = PaddleRunner(small(seed=31))
     assert (off.cache_blocks, off.block_bytes) == (0, 14978)
     with pytest.raises(ValueError, match="none are kept"):
