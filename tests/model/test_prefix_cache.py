@@ -221,3 +221,22 @@ def test_plans_the_runner_cannot_follow_are_refused() -> None:
     assert (off.cache_blocks, off.block_bytes) == (0, 14978)
     with pytest.raises(ValueError, match="none are kept"):
         off.forward(planned(make_batch([p]), None, [[0]], [0]))
+
+
+def test_slots_take_memory_only_as_they_are_written() -> None:
+    """A 1 GiB budget is allocated at start but touched as slots are written: the worker's
+    resident memory grows with the blocks held, not with the budget."""
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) << 10
+
+    spec = small(seed=32)
+    before = rss()
+    r = PaddleRunner(spec, prefix_cache_bytes=1 << 30, block_tokens=B)
+    assert r.cache_blocks == (1 << 30) // 14978
+    assert rss() - before < 64 << 20  # the weights and the runner, not the 1 GiB
+    p = prompt(B * 40 + 1, seed=10)
+    before = rss()
+    r.forward(planned(make_batch([p]), None, [list(range(40))], [0]))
+    assert rss() - before < (40 * 14978 + (64 << 20))
