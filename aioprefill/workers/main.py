@@ -54,12 +54,19 @@ def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
         except ModuleNotFoundError as exc:  # EngineConfig checks first; this is the backstop
             raise ModuleNotFoundError(f"{exc}; PaddleModel needs {PADDLE_EXTRA_HINT}") from exc
 
-        if not grouped:
-            return PaddleRunner(spec.model, spec.worker)
-        from aioprefill.workers.collectives import PaddleGroup
+        group = None
+        if grouped:
+            from aioprefill.workers.collectives import PaddleGroup
 
-        group = PaddleGroup(place.rank, place.size, place.master, spec.collective_timeout_s)
-        return PaddleRunner(spec.model, spec.worker, group=group, mode=place.mode)
+            group = PaddleGroup(place.rank, place.size, place.master, spec.collective_timeout_s)
+        return PaddleRunner(
+            spec.model,
+            spec.worker,
+            group=group,
+            mode=place.mode if grouped else "none",
+            prefix_cache_bytes=spec.prefix_cache_bytes,
+            block_tokens=spec.block_tokens,
+        )
     from aioprefill.workers.barrier import SocketBarrier
     from aioprefill.workers.sim import SimRunner
 
