@@ -11,7 +11,7 @@ from typing import Final
 
 from aioprefill import InvalidConfig, PaddleModel, SimModel
 
-__all__ = ["DEFAULT_PRESET", "SIM_PRESETS", "build_model", "model_label"]
+__all__ = ["DEFAULT_PRESET", "SIM_PRESETS", "build_model", "cache_block_bytes", "model_label"]
 
 
 SIM_PRESETS: Final[dict[str, SimModel]] = {
@@ -75,3 +75,9 @@ def model_label(model: SimModel | PaddleModel, preset: str | None = None) -> str
         f"{name} ({model.fixed_ms:g} ms + {model.per_token_us:g} us/tok + "
         f"{model.attn_ns:g} ns*len^2)"
     )
+
+
+def cache_block_bytes(model: SimModel | PaddleModel, block_tokens: int) -> int:
+    """Bytes one prefix-cache block of `block_tokens` tokens takes on a worker (0: unknown)."""
+    per_token = getattr(model, "kv_bytes_per_token", 0)  # TODO(engine): the worker's own figure
+    return int(per_token) * block_tokens
