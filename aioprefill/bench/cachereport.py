@@ -28,13 +28,17 @@ _ceiling_memo: dict[tuple[int, int | None, int, int], dict[str, Any]] = {}
 def prefix_point(p: Point, opts: Options) -> dict[str, Any]:
     rec = p.records
     prompt, cached = int(rec.prompt_len.sum()), int(rec.cached_tokens.sum())
-    per_worker = None
-    if p.cache_bytes is not None and opts.block_bytes:
-        per_worker = p.cache_bytes // opts.block_bytes
+    # the engine's own count of slots (over all workers), else the budget over the block size
+    stats = p.engine_stats if isinstance(p.engine_stats, dict) else {}
+    total = (stats.get("prefix_cache") or {}).get("capacity_blocks") or None
+    if total is None and p.cache_bytes is not None and opts.block_bytes:
+        total = p.cache_bytes // opts.block_bytes * opts.num_workers
+    if p.cache_bytes == 0:
+        total = 0
     out: dict[str, Any] = {
         "cache": p.cache,
         "bytes_per_worker": p.cache_bytes,
-        "capacity_blocks": per_worker,
+        "capacity_blocks": None if total is None else total // opts.num_workers,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "computed_tokens": prompt - cached,
@@ -42,8 +46,7 @@ def prefix_point(p: Point, opts: Options) -> dict[str, Any]:
         "ceilings": None,
     }
     sched = p.schedule
-    if sched is not None and sched.hash_ids is not None and per_worker != 0:
-        total = None if per_worker is None else per_worker * opts.num_workers
+    if sched is not None and sched.hash_ids is not None and total != 0:
         key = (id(sched), total, opts.prefix_block_tokens, opts.num_workers)
         if key not in _ceiling_memo:
             _ceiling_memo[key] = ceilings(
@@ -60,14 +63,14 @@ def _target(name: str, value: float, limit: float, met: bool, detail: str) -> di
 def prefix_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 22's bench targets where this run has the points to check them."""
     out: list[dict[str, Any]] = []
-    rate_points = [p for p in doc["points"] if p["kind"] == "rate"]
+    rate_points = [p for p in doc["points"] if p["kind"] == "rate" and p.get("prefix")]
     for p in rate_points:
         pre, c = p["prefix"], p["prefix"]["ceilings"]
-        if c is None or pre["hit_ratio"] is None:
-            continue
+        if c is None or c["capacity_blocks"] is None or pre["hit_ratio"] is None:
+            continue  # no trace with hash ids, or a budget whose size in blocks is unknown
         where = f"{p['label']} {p['policy']}/{pre['cache']}"
         hit = pre["hit_ratio"]
-        if c["capacity_blocks"] is None or c["capacity_blocks"] >= c["distinct_blocks"]:
+        if c["capacity_blocks"] >= c["distinct_blocks"]:
             ref, share, what = c["no_eviction"], NO_EVICTION_SHARE, "the no-eviction ceiling"
         elif c["workers"] == 1:
             ref, share, what = c["lru"], LRU_SHARE, "the offline LRU ceiling"
@@ -157,7 +160,7 @@ def _f(x: float | None, spec: str) -> str:
 
 def format_prefix(doc: dict[str, Any]) -> list[str]:
     """One row per rate point that used or could use the cache: hit ratio and ceilings."""
-    rows = [p for p in doc["points"] if p["kind"] == "rate"]
+    rows = [p for p in doc["points"] if p["kind"] == "rate" and p.get("prefix")]
     arms = {p["prefix"]["cache"] for p in rows}
     if not rows or (len(arms) < 2 and not any(p["prefix"]["cached_tokens"] for p in rows)):
         return []

@@ -337,5 +337,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
         prefix_cache=caches,
         prefix_block_tokens=a.prefix_block_tokens,
         block_bytes=block_bytes,
-        distinct_blocks=distinct_blocks(trace, a.prefix_block_tokens) if shared else None,
+        distinct_blocks=distinct_blocks(trace, a.prefix_block_tokens)
+        if shared and trace is not None
+        else None,
     )

@@ -106,13 +106,19 @@ def ideal_point(
     if len(rec) == 0:
         return None
     arrivals = (rec.submitted_ns - rec.submitted_ns.min()) / 1e9
-    budgets = {
-        "num_workers": num_workers,
-        "max_batch_tokens": max_batch_tokens,
-        "cached": rec.cached_tokens,
-    }
-    batched = replay(arrivals, rec.prompt_len, model, **budgets, max_batch_size=max_batch_size)
-    single = replay(arrivals, rec.prompt_len, model, **budgets, max_batch_size=1)
+
+    def run(size: int) -> np.ndarray:
+        return replay(
+            arrivals,
+            rec.prompt_len,
+            model,
+            num_workers=num_workers,
+            max_batch_tokens=max_batch_tokens,
+            max_batch_size=size,
+            cached=rec.cached_tokens,
+        )
+
+    batched, single = run(max_batch_size), run(1)
     ideal, measured = (
         _mean_p99_ms(batched),
         _mean_p99_ms((rec.finished_ns - rec.submitted_ns) / 1e9),

@@ -209,12 +209,12 @@ def build_report(opts: Options, runner: Runner, *, run: dict[str, Any]) -> dict[
 
 def _find(doc: dict[str, Any], policy: str, label: str) -> dict[str, Any] | None:
     """The point of `policy` at `label` with the first cache budget (the one compared)."""
-    first = doc["config"]["prefix_cache"]["budgets"][0]
+    first = (doc["config"].get("prefix_cache") or {}).get("budgets", [None])[0]
     return next(
         (
             p
             for p in doc["points"]
-            if p["policy"] == policy and p["label"] == label and p["cache"] == first
+            if p["policy"] == policy and p["label"] == label and p.get("cache") == first
         ),
         None,
     )

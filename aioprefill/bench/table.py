@@ -14,7 +14,7 @@ __all__ = ["format_report"]
 
 def _arm(p: dict[str, Any], doc: dict[str, Any]) -> str:
     """The policy, with its cache budget when the run compares several."""
-    several = len(doc["config"]["prefix_cache"]["budgets"]) > 1
+    several = len((doc["config"].get("prefix_cache") or {}).get("budgets", ())) > 1
     return f"{p['policy']}/{p['cache']}" if several else p["policy"]
 
 
