@@ -92,6 +92,8 @@ def model_label(model: SimModel | PaddleModel, preset: str | None = None) -> str
 
 
 def cache_block_bytes(model: SimModel | PaddleModel, block_tokens: int) -> int:
-    """Bytes one prefix-cache block of `block_tokens` tokens takes on a worker (0: unknown)."""
-    per_token = getattr(model, "kv_bytes_per_token", 0)  # TODO(engine): the worker's own figure
-    return int(per_token) * block_tokens
+    """Bytes one prefix-cache block of `block_tokens` tokens takes on a worker, as the worker
+    counts them (0: unknown before it starts, e.g. a Paddle model's)."""
+    if isinstance(model, SimModel):
+        return model.kv_bytes_per_token * block_tokens  # workers/sim.py: the nominal KV size
+    return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -95,11 +95,7 @@ class Runner:
 
     def _config(self, arm: Arm) -> EngineConfig:
         o = self.opts
-        cache: dict[str, int] = {}
-        budget = o.cache_bytes(arm.cache)
-        if budget is not None:
-            cache = {"prefix_cache_bytes": budget, "prefix_block_tokens": o.prefix_block_tokens}
-        return EngineConfig(
+        config = EngineConfig(
             model=o.model,
             num_workers=o.num_workers,
             tp_size=o.tp_size,
@@ -109,8 +105,10 @@ class Runner:
             max_batch_size=o.max_batch_size,
             batch_timeout_ms=o.batch_timeout_ms,
             max_prompt_tokens=o.max_prompt_len,
-            **cache,
+            prefix_block_tokens=o.prefix_block_tokens,
         )
+        budget = o.cache_bytes(arm.cache)  # None: the engine's default
+        return config if budget is None else replace(config, prefix_cache_bytes=budget)
 
     async def _start(self, stack: AsyncExitStack, arm: Arm) -> Engine:
         name = arm.name(self.opts)
