@@ -97,13 +97,14 @@ def prefix_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     f"{hit:.3f} vs {rr:.3f}",
                 )
             )
-    out += _on_vs_off(rate_points)
+    out += _on_vs_off([p for p in doc["points"] if p.get("prefix")])
     return out
 
 
 def _on_vs_off(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each budget against cache off on the same arrivals: with reuse, fewer tokens and lower
-    TTFT; without (no hash ids), req/s and the bubble within 3% (summed over ABBA repeats)."""
+    """Each budget against cache off on the same arrivals: with reuse, lower TTFT; without
+    (random prompts: no hash ids, or a saturation run), req/s and the bubble within 3%
+    (averaged over the repeats of a point: ABBA)."""
     out: list[dict[str, Any]] = []
     off = [p for p in points if p["prefix"]["cache"] == "off"]
     for p in points:

@@ -6,7 +6,8 @@ closed-loop saturation run whose steady throughput is its capacity; eager's anch
 `0.8x`, so eager goes first. (2) Then, rate by rate, each arm runs the same open-loop schedule
 (same arrival times, same token ids, seeded per rate) back to back, so the arms compared at one
 rate ran close together in time, under similar background load. Cache budgets of one policy
-alternate their order from rate to rate (A B, then B A: a repeated rate is an ABBA pair).
+alternate their order from rate to rate (A B, then B A: a repeated rate is an ABBA pair), and
+with several budgets every arm saturates twice, A B then B A.
 A trace that shares prefixes (hash ids) is replayed on a fresh engine per point, so every
 replay starts from an empty cache.
 """
@@ -149,7 +150,8 @@ class Runner:
                     return
                 if not o.fresh_engines:
                     engines[arm] = await self._start(stack, arm)
-            for arm in arms:
+            # several budgets: saturate A B, then B A (an ABBA pair of saturation runs)
+            for arm in arms + (arms[::-1] if len(o.prefix_cache) > 1 else []):
                 if o.saturation_s > 0 and not stop.is_set():
                     async with AsyncExitStack() as own:
                         engine = engines.get(arm) or await self._start(own, arm)
