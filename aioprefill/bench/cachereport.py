@@ -83,10 +83,15 @@ def prefix_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     hit / ref,
                     share,
                     hit / ref >= share,
-                    f"{hit:.3f} vs {ref:.3f}",
+                    f"{hit:.3f} vs {ref:.3f}"
+                    + (
+                        f"; offline dispatch by prefix affinity: {c['affinity']:.3f}"
+                        if c.get("affinity") is not None
+                        else ""
+                    ),
                 )
             )
-        if c["round_robin"] is not None:
+        if c.get("round_robin") is not None:
             rr = c["round_robin"]
             out.append(
                 _target(
@@ -165,7 +170,8 @@ def format_prefix(doc: dict[str, Any]) -> list[str]:
     arms = {p["prefix"]["cache"] for p in rows}
     if not rows or (len(arms) < 2 and not any(p["prefix"]["cached_tokens"] for p in rows)):
         return []
-    head = ["point", "arm", "blocks/worker", "hit", "no-evict", "LRU", "round-robin", "computed"]
+    head = ["point", "arm", "blocks/worker", "hit", "no-evict", "LRU", "round-robin", "affinity"]
+    head += ["computed"]
     head += ["TTFT mean", "p99"]
     off = {
         (p["label"], p["policy"]): p["prefix"]["computed_tokens"]
@@ -188,6 +194,7 @@ def format_prefix(doc: dict[str, Any]) -> list[str]:
                 _f(c.get("no_eviction"), ".3f"),
                 _f(c.get("lru"), ".3f"),
                 _f(c.get("round_robin"), ".3f"),
+                _f(c.get("affinity"), ".3f"),
                 computed,
                 _f(p["ttft_ms"]["mean"], ".1f"),
                 _f(p["ttft_ms"]["p99"], ".1f"),
@@ -205,7 +212,8 @@ def format_prefix(doc: dict[str, Any]) -> list[str]:
     note = (
         "Prefix cache: hit = cached / prompt tokens; the ceilings replay the same requests "
         "offline in the same blocks: no eviction, LRU with the same total budget in one cache, "
-        "and that budget split over the workers with requests dealt round-robin; computed = "
+        "and that budget split over the workers with requests dealt round-robin or sent where "
+        "most of their prompt is cached (affinity, ties to the least loaded); computed = "
         "prompt tokens not read from the cache (x cache off's)."
     )
     if distinct:

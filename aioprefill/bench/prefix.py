@@ -10,10 +10,11 @@ which a request reads at most `(n - 1) // block_tokens`: its last token is alway
 no eviction (everything ever seen stays), and LRU under a budget of `capacity` blocks, where
 after each request its blocks are the most recent, its last block the least recent of them (a
 chain's last block is evicted before its parents). With several workers each keeps its own
-cache of `capacity // workers` blocks and requests go round-robin: the yardstick a
-prefix-aware dispatcher must beat. A block here is named by the hash id holding its last token
-and that token's place in it: the same content as the engine's chained token hash, without
-hashing any tokens.
+cache of `capacity // workers` blocks, and requests go round-robin (the yardstick a
+prefix-aware dispatcher must beat) or by prefix affinity (each where most of its prompt is
+cached, ties to the least loaded: what such a dispatcher can reach). A block here is named by
+the hash id holding its last token and that token's place in it: the same content as the
+engine's chained token hash, without hashing any tokens.
 """
 
 from __future__ import annotations
@@ -113,20 +114,28 @@ def hit_tokens(
     capacity: int | None,
     *,
     workers: int = 1,
+    route: str = "round_robin",
 ) -> np.ndarray:
-    """int64[n]: tokens each request reads from the cache, requests in order, round-robin over
-    `workers` caches of `capacity // workers` blocks each (None: no eviction)."""
+    """int64[n]: tokens each request reads from the cache, requests in order, over `workers`
+    caches of `capacity // workers` blocks each (None: no eviction). `route`: `round_robin`
+    deals requests in turn; `affinity` sends each to the cache holding most of its prompt,
+    ties to the one that computed the fewest tokens so far."""
     per = None if capacity is None else capacity // workers
     caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(workers)]
+    computed = [0] * workers
     out = np.zeros(len(keys), dtype=np.int64)
     for i, (ks, n) in enumerate(zip(keys, lengths, strict=True)):
-        cache = caches[i % workers]
-        hits = 0
-        for key in ks[: (int(n) - 1) // block]:
-            if key not in cache:
-                break
-            hits += 1
-        out[i] = hits * block
+        usable = ks[: (int(n) - 1) // block]
+        if route == "affinity":
+            hits = [_prefix_hits(c, usable) for c in caches]
+            w = min(range(workers), key=lambda w: (-hits[w], computed[w]))
+            found = hits[w]
+        else:
+            w = i % workers
+            found = _prefix_hits(caches[w], usable)
+        cache = caches[w]
+        out[i] = found * block
+        computed[w] += int(n) - int(out[i])
         if per == 0:
             continue
         for key in reversed(ks):  # the first block ends up most recent, the last least
@@ -137,25 +146,37 @@ def hit_tokens(
     return out
 
 
+def _prefix_hits(cache: OrderedDict[int, None], keys: Sequence[int]) -> int:
+    hits = 0
+    for key in keys:
+        if key not in cache:
+            break
+        hits += 1
+    return hits
+
+
 def ceilings(
     sched: Schedule, block: int, capacity: int | None, *, workers: int = 1
 ) -> dict[str, float | int | None]:
-    """Hit ratios (cached tokens / prompt tokens) the trace allows: `no_eviction`, `lru` (one
-    cache of `capacity` blocks), `round_robin` (with `workers` > 1: that budget split evenly,
-    requests dealt in turn), and `distinct_blocks`."""
+    """Hit ratios (cached / prompt tokens) the trace allows: `no_eviction`, `lru` (one cache
+    of `capacity` blocks), and with `workers` > 1 that budget split evenly with requests
+    dealt in turn (`round_robin`) or each sent where most of its prompt is (`affinity`)."""
     keys = _all_keys(sched, block)
     total = float(sched.lengths.sum())
 
-    def ratio(cap: int | None, w: int = 1) -> float:
-        return float(hit_tokens(keys, sched.lengths, block, cap, workers=w).sum()) / total
+    def ratio(cap: int | None, w: int = 1, route: str = "round_robin") -> float:
+        hits = hit_tokens(keys, sched.lengths, block, cap, workers=w, route=route)
+        return float(hits.sum()) / total
 
+    several = workers > 1 and capacity is not None
     return {
         "block_tokens": block,
         "capacity_blocks": capacity,
         "distinct_blocks": len({k for ks in keys for k in ks}),
         "no_eviction": ratio(None),
         "lru": ratio(capacity) if capacity is not None else None,
-        "round_robin": ratio(capacity, workers) if workers > 1 else None,
+        "round_robin": ratio(capacity, workers) if several else None,
+        "affinity": ratio(capacity, workers, "affinity") if several else None,
         "workers": workers,
     }
 

@@ -106,6 +106,15 @@ def test_hits_never_include_the_last_token_and_lru_drops_a_chain_tail_first():
     assert hit_tokens(keys2, np.array([9, 9, 9]), 4, 2).tolist() == [0, 0, 0]
     assert hit_tokens(keys2, np.array([9, 9, 9]), 4, 4).tolist() == [0, 0, 8]
     assert hit_tokens(keys2, np.array([9, 9, 9]), 4, 2, workers=2).tolist() == [0, 0, 4]
+    # by affinity: r1 (nothing cached anywhere) goes to the worker that computed less (w1),
+    # r2 back to w0, which holds its first block
+    affinity = hit_tokens(keys2, np.array([9, 9, 9]), 4, 2, workers=2, route="affinity")
+    assert affinity.tolist() == [0, 0, 4]
+    keys3 = [[1, 2], [1, 2], [5, 6], [1, 2]]  # round-robin splits the chain; affinity keeps it
+    assert hit_tokens(keys3, np.full(4, 9), 4, None, workers=2).tolist() == [0, 0, 0, 8]
+    assert hit_tokens(keys3, np.full(4, 9), 4, None, workers=2, route="affinity").tolist() == [
+        0, 8, 0, 8,
+    ]  # fmt: skip
 
 
 def test_ceilings_of_the_sample_trace():
@@ -118,7 +127,9 @@ def test_ceilings_of_the_sample_trace():
     assert isinstance(distinct, int) and distinct == distinct_blocks(s, 16)
     small = ceilings(s, 16, distinct // 10, workers=4)
     assert small["lru"] is not None and small["round_robin"] is not None
+    assert small["affinity"] is not None
     assert small["round_robin"] <= small["lru"] < c["no_eviction"]
+    assert small["round_robin"] <= small["affinity"] <= c["no_eviction"]
     assert ceilings(s, 16, distinct)["lru"] == pytest.approx(c["no_eviction"])
 
 
