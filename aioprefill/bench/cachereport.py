@@ -119,7 +119,7 @@ def _on_vs_off(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         where = f"{p['label']} {p['policy']}/{cache} vs off"
         if p["prefix"]["ceilings"] is not None:
-            q = mates[0]
+            q = next((q for q in mates if q.get("index") == p.get("index")), mates[0])
             for key in ("mean", "p99"):
                 on_ms, off_ms = p["ttft_ms"][key], q["ttft_ms"][key]
                 if on_ms is not None and off_ms:
@@ -173,15 +173,15 @@ def format_prefix(doc: dict[str, Any]) -> list[str]:
     head = ["point", "arm", "blocks/worker", "hit", "no-evict", "LRU", "round-robin", "affinity"]
     head += ["computed"]
     head += ["TTFT mean", "p99"]
-    off = {
-        (p["label"], p["policy"]): p["prefix"]["computed_tokens"]
+    off = {  # points of one rate index ran one schedule
+        (p["label"], p["policy"], p.get("index")): p["prefix"]["computed_tokens"]
         for p in rows
         if p["prefix"]["cache"] == "off"
     }
     table = []
     for p in rows:
         pre, c = p["prefix"], p["prefix"]["ceilings"] or {}
-        base = off.get((p["label"], p["policy"]))
+        base = off.get((p["label"], p["policy"], p.get("index")))
         computed = f"{pre['computed_tokens']}"
         if base:
             computed += f" ({pre['computed_tokens'] / base:.2f}x)"

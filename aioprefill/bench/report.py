@@ -74,6 +74,7 @@ def _point_doc(
         ),
         "ideal": ideal,
         "engine_stats": p.engine_stats,
+        "index": p.index,
         "cache": p.cache,
         "prefix": prefix_point(p, opts),
     }

@@ -67,6 +67,7 @@ class Point:
     cache: str = "default"  # the prefix-cache budget's label
     cache_bytes: int | None = None  # prefix_cache_bytes per worker (None: the engine default)
     schedule: Schedule | None = None  # a rate point's arrivals (for the offline ceilings)
+    index: int | None = None  # a rate point's place in --rate (points of one index: one schedule)
 
 
 class Runner:
@@ -247,6 +248,7 @@ class Runner:
             cache=arm.cache.label,
             cache_bytes=o.cache_bytes(arm.cache),
             schedule=sched,
+            index=index,
         )
         self.progress.done(_line(point))
         return point

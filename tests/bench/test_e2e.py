@@ -20,8 +20,8 @@ POINT_KEYS = {
     "policy", "kind", "label", "offered_rps", "concurrency", "duration_s", "partial",
     "host_load_1m", "n_submitted", "n_completed", "n_failed", "errors", "ttft_ms", "queue_ms",
     "forward_ms", "return_ms", "generator_lag_ms", "throughput", "batches", "batch_size",
-    "batch_tokens", "bubble_us", "utilization", "goodput", "ideal", "engine_stats", "cache",
-    "prefix",
+    "batch_tokens", "bubble_us", "utilization", "goodput", "ideal", "engine_stats", "index",
+    "cache", "prefix",
 }  # fmt: skip
 DIST_KEYS = {"mean", "p50", "p90", "p99", "max"}
 
