@@ -70,12 +70,12 @@ def prefix_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
             continue  # no trace with hash ids, or a budget whose size in blocks is unknown
         where = f"{p['label']} {p['policy']}/{pre['cache']}"
         hit = pre["hit_ratio"]
-        if c["capacity_blocks"] >= c["distinct_blocks"]:
-            ref, share, what = c["no_eviction"], NO_EVICTION_SHARE, "the no-eviction ceiling"
-        elif c["workers"] == 1:
-            ref, share, what = c["lru"], LRU_SHARE, "the offline LRU ceiling"
-        else:
+        if c["workers"] > 1:  # one cache of the whole budget: what one worker would reach
             ref, share, what = c["lru"], DP_SHARE, "one offline LRU cache of the same total"
+        elif c["capacity_blocks"] >= c["distinct_blocks"]:
+            ref, share, what = c["no_eviction"], NO_EVICTION_SHARE, "the no-eviction ceiling"
+        else:
+            ref, share, what = c["lru"], LRU_SHARE, "the offline LRU ceiling"
         if ref:
             out.append(
                 _target(

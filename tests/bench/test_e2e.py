@@ -132,7 +132,7 @@ def test_trace_replay_with_the_cache_on_and_off(tmp_path):
     out = tmp_path / "cache.json"
     proc = bench(
         *SIM, "--trace", str(DATA / "mooncake_sample.jsonl"), "--trace-block-tokens", "32",
-        "--trace-speedup", "10", "--prefix-cache", "all,off", "--policy", "forward",
+        "--trace-speedup", "20", "--prefix-cache", "all,off", "--policy", "forward",
         "--saturation-s", "0", "--json", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
