@@ -138,7 +138,7 @@ class PrefixCache:
             blocks=sum(len(ix) for ix in self.indexes),
             bytes=sum(len(ix) * ix.block_bytes for ix in self.indexes),
             evictions=self.evictions,
-            capacity_blocks=sum(ix.num_blocks for ix in self.indexes),
+            capacity_blocks=sum(s.cache_blocks for s in self.slots),
         )
 
     def check(self, pins: Iterable[Pins | None]) -> None:
