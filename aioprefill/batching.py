@@ -14,7 +14,7 @@ requests dispatched once the pool has accepted it, so a full ring needs no rollb
 With the prefix cache, `take_batch` gets the group's `BatchPlan`: a request's first chunk costs
 only its uncached tokens in the budget (blocks the group holds, or that a request ahead of it in
 the same batch writes), and with several groups the plan may leave a request to a group that
-holds more of its prompt (`aioprefill.prefix.cache` states the rule). The staged batch is formed
+holds more of its prompt, its home (`aioprefill.prefix.cache` states the rule). The staged batch is formed
 before its group is known, so it only takes prompts the cache cannot touch (no full block).
 
 Expert-parallel ranks run different batches but step together: each MoE layer exchanges tokens
@@ -60,8 +60,7 @@ def take_batch(
     whose last chunk is in the batch leave `pending`; the others stay at their position.
     Changes no request: the caller marks the chunks sent once they are. With a `plan` (the
     group's prefix cache), a first chunk costs its uncached tokens and its reads and writes are
-    placed; requests the plan leaves to another group stay queued, unless nothing else would
-    keep this group busy.
+    placed; requests the plan leaves to their home group stay queued.
     """
     chunks: list[Chunk] = []
     kept: list[Request] = []  # requests looked at but left in the queue, in their order
@@ -114,9 +113,6 @@ def take_batch(
                 kept.remove(long_req)
     if kept:
         pending.extendleft(reversed(kept))
-    if not chunks and plan is not None and plan.deferred and plan.patient:
-        plan.patient = False  # nobody else keeps this group busy: it takes them after all
-        return take_batch(pending, worker, budget, plan)
     return chunks
 
 

@@ -6,13 +6,14 @@ The `Scheduler` owns it: it hashes a prompt once at submit (`hashes`), asks for 
 each time it forms a batch for a group (`plan`), releases a batch's pins with its answer
 (`release`) and drops a group's index when the group dies (`drop`).
 
-Routing (several data-parallel groups): a request goes to the group that forms a batch next
-(the forward-gated principle: a group whose forward ended takes the oldest work), unless another
-group holds `gain` more tokens of its prompt and has fewer than `gain` tokens in flight: it then
-waits for that group, since waiting costs at most what that group still computes while the
-extra hit saves `gain` tokens of compute. A group never stays idle because of this: when every
-waiting request would rather wait for a busy group, the idle group takes them anyway (only a
-request another *idle* group prefers is left to it, and that group takes it in the same round).
+Routing (several data-parallel groups): a request's *home* is the group holding most of its
+prompt (blocks a batch in flight writes count: a prefix being computed already has a home). A
+group forming a batch leaves a request to its home when `2 * gain > wait` (`BatchPlan.elsewhere`:
+`gain` the tokens it would read there and not here, `wait` half the home's tokens in flight plus
+the requests already left to it); otherwise it takes the request, and then writes none of its
+blocks (the home keeps the prefix, no budget holds a second copy). A free group stays idle only
+while every request it could take is answered sooner by its home; the home takes them the
+moment its forward ends (forward-gated).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Policies with a prefix cache, against a fake pool: requests cost their uncached tokens,
-go to the group that holds their prefix unless waiting for it costs more, and no idle group is
-left idle while requests wait."""
+"""Policies with a prefix cache, against a fake pool: requests cost their uncached tokens and
+go to the group that holds (or is writing) their prefix unless waiting for it costs more than
+it saves; then an idle group takes them, and stores no second copy of the prefix."""
 
 from tests.policies.fake_pool import Harness
 
@@ -26,14 +26,59 @@ def test_a_request_waits_for_the_busy_group_holding_its_prefix_while_the_other_w
     assert a.cached_tokens == 40
 
 
-def test_an_idle_group_takes_a_request_rather_than_stay_idle():
+def writes_of(batch) -> int:
+    """Blocks a sent batch writes (its write_slots column, int32)."""
+    return 0 if batch.cache is None else len(batch.cache[3]) // 4
+
+
+def test_an_idle_group_waits_while_the_home_serves_sooner_then_the_home_takes_it():
     h = Harness("forward", groups=2, cache_blocks=64)
     h.arrive(ids=[*PREFIX, 1])
     h.done(0)
-    h.arrive(ids=[7] * 8)  # group 0 busy
-    a = h.arrive(ids=[*PREFIX, 3])  # group 1 is idle: it takes it, uncached
-    assert h.pool.sent[-1].group == 1 and h.sent_ids()[-1] == [a.request_id]
+    h.arrive(ids=[7] * 8)  # group 0 busy: 8 tokens in flight (a wait of 4) against a gain of 40
+    a = h.arrive(ids=[*PREFIX, 3])
+    assert h.pool.sent[-1].group == 0 and not h.pool.slots[1].in_flight  # group 1 stays idle
+    h.done(0)
+    assert h.pool.sent[-1].group == 0 and h.sent_ids()[-1] == [a.request_id]
+    assert cached_of(h) == [40]
+
+
+def test_a_prefix_being_written_in_flight_makes_its_group_the_home():
+    h = Harness("forward", groups=2, cache_blocks=64)
+    first = h.arrive(ids=[*PREFIX, 1])  # group 0 computes and writes the prefix
+    b = h.arrive(ids=[*PREFIX, 2])  # nothing is cached yet, but group 0 is writing it
+    assert h.sent_ids() == [[first.request_id]] and not h.pool.slots[1].in_flight
+    h.done(0)
+    assert h.sent_ids()[-1] == [b.request_id] and cached_of(h) == [40]
+
+
+def test_an_idle_group_takes_a_request_whose_home_is_too_busy_and_stores_no_copy():
+    h = Harness("forward", groups=2, cache_blocks=64, max_batch_tokens=300)
+    h.arrive(ids=[*PREFIX, 1])
+    h.done(0)
+    h.arrive(ids=[7] * 200)  # group 0 busy: a wait of 100 tokens, over 2 x the 40 it saves
+    a = h.arrive(ids=[*PREFIX, 3])
+    batch = h.pool.sent[-1]
+    assert batch.group == 1 and batch.ids == [a.request_id] and cached_of(h) == [0]
+    assert writes_of(batch) == 0  # group 0 keeps the prefix; group 1 holds no second copy
+    h.done(1)
+    r = h.arrive(ids=[*PREFIX, 4])  # group 1 idle, group 0 still busy: no copy on group 1
+    assert h.pool.sent[-1].group == 1 and h.sent_ids()[-1] == [r.request_id]
     assert cached_of(h) == [0]
+
+
+def test_the_requests_left_to_a_home_count_in_its_wait_and_the_rest_go_elsewhere():
+    h = Harness("forward", groups=2, cache_blocks=64, max_batch_tokens=400, max_batch_size=16)
+    h.arrive(ids=[*PREFIX, 1])
+    h.done(0)
+    h.arrive(ids=[7] * 8)  # group 0 busy (a wait of 4)
+    # Each saves 40 tokens (2 x 40 = 80) at group 0 and leaves 31 to compute there: the
+    # first three wait (4, 35, 66 < 80), the fourth would wait 97 and runs on group 1.
+    reqs = [h.arrive(ids=[*PREFIX, *[i] * 31]) for i in range(4)]
+    assert not any(b.group == 1 and b.ids != [reqs[3].request_id] for b in h.pool.sent)
+    assert h.pool.sent[-1].group == 1 and h.sent_ids()[-1] == [reqs[3].request_id]
+    h.done(0)
+    assert h.sent_ids()[-1] == [r.request_id for r in reqs[:3]] and cached_of(h) == [40] * 3
 
 
 def test_uncached_tokens_fill_the_budget():
