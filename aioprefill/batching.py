@@ -15,7 +15,9 @@ With the prefix cache, `take_batch` gets the group's `BatchPlan`: a request's fi
 only its uncached tokens in the budget (blocks the group holds, or that a request ahead of it in
 the same batch writes), and with several groups the plan may leave a request to a group that
 holds more of its prompt, its home (`aioprefill.prefix.cache` states the rule). The staged batch is formed
-before its group is known, so it only takes prompts the cache cannot touch (no full block).
+before its group is known, so with several groups it only takes prompts the cache cannot touch
+(no full block); with one group also those whose first block it does not hold, and plans their
+reads and writes when it is sent (the columns built at arrival kept unless a prompt reads).
 
 Expert-parallel ranks run different batches but step together: each MoE layer exchanges tokens
 between them, so every rank must run every step, and a rank with no work gets an empty batch
@@ -34,6 +36,7 @@ from aioprefill.columns import Columns, make_prefill_batch
 from aioprefill.core import Budget, Chunk, Request
 
 if TYPE_CHECKING:
+    from aioprefill.prefix.index import BlockIndex
     from aioprefill.prefix.plan import BatchPlan
 
 __all__ = [
@@ -123,14 +126,21 @@ class StagedBatch:
     the head of the queue in arrival order, exactly what `take_batch` would pick), with their
     wire columns ready. When a forward ends, handing it over costs O(1) Python work however
     many requests it holds: the per-request bookkeeping happens at arrival, not in the bubble.
+    With `index` (the prefix cache of a single group: no routing to do), a prompt with full
+    blocks joins it too when that group holds none of them (`hashed`), so traffic that reuses
+    nothing keeps this O(1) hand-off; the reads and writes are planned when it is sent
+    (`planned`). A prompt the group holds the first block of goes to `take_batch`, which counts
+    only its uncached tokens in the budget.
     """
 
-    __slots__ = ("columns", "has_cancelled", "requests")
+    __slots__ = ("columns", "has_cancelled", "hashed", "index", "requests")
 
-    def __init__(self) -> None:
+    def __init__(self, index: BlockIndex | None = None) -> None:
         self.requests: list[Request] = []
         self.columns = Columns()
         self.has_cancelled = False
+        self.index = index  # None: a prompt with a full block never joins
+        self.hashed = False  # some prompt in it has blocks
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -149,17 +159,31 @@ class StagedBatch:
 
     def try_add(self, req: Request, budget: Budget) -> bool:
         """Stage a whole prompt if it is short, fits the budget and has no block the prefix
-        cache could hold; False otherwise."""
+        cache holds (or, without `index`, none it could hold); False otherwise."""
+        hashes = req.hashes
+        if hashes and (self.index is None or hashes[0] in self.index.slot_of):
+            return False  # its cost and its reads depend on the group: `take_batch` forms it
         if (
-            req.hashes  # its cost and its reads depend on the group: `take_batch` forms it
-            or len(self.requests) >= budget.max_batch_size
+            len(self.requests) >= budget.max_batch_size
             or self.columns.num_tokens + req.num_tokens > budget.max_batch_tokens
             or budget.is_long(req)
         ):
             return False
         self.requests.append(req)
         self.columns.add_whole(req)
+        if hashes:
+            self.hashed = True
         return True
+
+    def planned(self, plan: BatchPlan) -> tuple[Columns, list[Chunk]]:
+        """The batch's columns and chunks with `plan`'s reads and writes: the staged columns
+        (with the plan's) when no prompt reads a block, else columns built again from the
+        chunks. The caller resets `columns.cache` if the batch is not sent."""
+        place, lookup = plan.place, plan.lookup
+        chunks = [place(r, 0, r.num_tokens, lookup(r)) for r in self.requests]
+        cols = Columns.of_chunks(chunks) if plan.hit else self.columns
+        cols.cache = plan.columns()
+        return cols, chunks
 
     def note_cancelled(self) -> None:
         self.has_cancelled = True
@@ -179,6 +203,7 @@ class StagedBatch:
         self.requests = []
         self.columns = Columns()
         self.has_cancelled = False
+        self.hashed = False
         return requests
 
     def refill(self, pending: deque[Request], budget: Budget) -> None:

@@ -18,7 +18,7 @@ moment its forward ends (forward-gated).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,6 +29,8 @@ from aioprefill.prefix.index import BlockIndex, CacheObserver
 from aioprefill.prefix.plan import BatchPlan, Pins
 
 __all__ = ["PrefixCache", "PrefixCacheStats"]
+
+_run = deque(maxlen=0).extend  # consumes an iterator in C
 
 
 class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,7 +115,14 @@ class PrefixCache:
             index.free,
             index.pins,
         )
-        for slot in reversed(pins.slots):  # `BlockIndex.unpin`, inlined: ~1 per block written
+        slots = pins.slots[::-1]  # the chain's last blocks first: evicted first
+        if max(map(count.__getitem__, slots)) == 1 and list(
+            map(held.get, map(hash_of.__getitem__, slots))
+        ) == slots:  # the common case (each pinned once, all held), in C loops
+            _run(map(count.__delitem__, slots))
+            lru.update(dict.fromkeys(slots))
+            return
+        for slot in slots:  # `BlockIndex.unpin`, inlined
             n = count[slot]
             if n > 1:
                 count[slot] = n - 1

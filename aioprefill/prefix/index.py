@@ -20,10 +20,13 @@ again); the `epoch` it bumps makes late releases of pins taken before it harmles
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import islice
 from typing import Protocol
 
 __all__ = ["BlockIndex", "CacheObserver"]
+
+_run = deque(maxlen=0).extend  # consumes an iterator in C
 
 
 class CacheObserver(Protocol):
@@ -129,13 +132,13 @@ class BlockIndex:
             return got
         got = free[::-1]
         free.clear()
-        lru, slot_of, hash_of, evicted = self.lru, self.slot_of, self.hash_of, self.evicted
-        while len(got) < count and lru:
-            slot, _ = lru.popitem(last=False)
-            block = hash_of[slot]
-            del slot_of[block]
-            evicted.append(block)
-            got.append(slot)
+        lru, slot_of = self.lru, self.slot_of
+        victims = list(islice(lru, count - len(got)))  # the least recently used first
+        blocks = list(map(self.hash_of.__getitem__, victims))
+        _run(map(lru.__delitem__, victims))  # (loops in C: ~1 per block written)
+        _run(map(slot_of.__delitem__, blocks))
+        self.evicted.extend(blocks)
+        got.extend(victims)
         return got
 
     def put(self, blocks: list[int], slots: list[int]) -> None:
