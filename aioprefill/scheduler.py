@@ -56,7 +56,7 @@ class Scheduler:
         self.staging = staging  # policy "forward": keep the next batch's columns ready
         self.cache = cache  # every group's prefix cache index (None: off)
         self.pending: deque[Request] = deque()
-        self.staged = StagedBatch(cache.indexes[0] if cache and len(cache.slots) == 1 else None)
+        self.staged = StagedBatch(cache if cache and len(cache.slots) == 1 else None)
         self.num_pending = 0
         self.pending_tokens = 0
         self.num_in_flight = 0
@@ -124,8 +124,8 @@ class Scheduler:
             if staged.has_cancelled:
                 staged.drop_cancelled()
             if staged.requests:
-                plan = self._plan(group, sink) if staged.hashed else None
-                cols, chunks = staged.planned(plan) if plan else (staged.columns, None)
+                fresh = self._plan(group, sink) if staged.hashed else None
+                plan, cols, chunks = staged.planned(fresh)
                 batch = sink.send(group, cols, backlogged=backlogged)
                 if batch is None:
                     if plan is not None:

@@ -19,7 +19,7 @@ moment its forward ends (forward-gated).
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -30,7 +30,7 @@ from aioprefill.prefix.plan import BatchPlan, Pins
 
 __all__ = ["PrefixCache", "PrefixCacheStats"]
 
-_run = deque(maxlen=0).extend  # consumes an iterator in C
+_run: Callable[[Iterable[object]], None] = deque(maxlen=0).extend  # consumes it, in C
 
 
 class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,9 +116,10 @@ class PrefixCache:
             index.pins,
         )
         slots = pins.slots[::-1]  # the chain's last blocks first: evicted first
-        if max(map(count.__getitem__, slots)) == 1 and list(
-            map(held.get, map(hash_of.__getitem__, slots))
-        ) == slots:  # the common case (each pinned once, all held), in C loops
+        if (
+            max(map(count.__getitem__, slots)) == 1
+            and list(map(held.get, map(hash_of.__getitem__, slots))) == slots
+        ):  # the common case (each pinned once, all held), in C loops
             _run(map(count.__delitem__, slots))
             lru.update(dict.fromkeys(slots))
             return

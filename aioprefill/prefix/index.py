@@ -21,12 +21,13 @@ again); the `epoch` it bumps makes late releases of pins taken before it harmles
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import Protocol
 
 __all__ = ["BlockIndex", "CacheObserver"]
 
-_run = deque(maxlen=0).extend  # consumes an iterator in C
+_run: Callable[[Iterable[object]], None] = deque(maxlen=0).extend  # consumes it, in C
 
 
 class CacheObserver(Protocol):

@@ -20,7 +20,8 @@ class _Engine:
     async def prefill(self, tokens: np.ndarray) -> object:
         self.sent.append(np.asarray(tokens, dtype="<i4").tobytes())
         await asyncio.sleep(0)
-        return types.SimpleNamespace(forward_end_ns=time.monotonic_ns(), worker=0, batch_id=len(self.sent))
+        now = time.monotonic_ns()
+        return types.SimpleNamespace(forward_end_ns=now, worker=0, batch_id=len(self.sent))
 
 
 def test_closed_loop_prompts_never_repeat_across_passes_and_runs():
