@@ -30,7 +30,7 @@ from aioprefill.prefix.plan import BatchPlan, Pins
 
 __all__ = ["PrefixCache", "PrefixCacheStats"]
 
-_run: Callable[[Iterable[object]], None] = deque(maxlen=0).extend  # consumes it, in C
+_run: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # consumes, in C
 
 
 class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):

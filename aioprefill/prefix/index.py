@@ -27,7 +27,7 @@ from typing import Protocol
 
 __all__ = ["BlockIndex", "CacheObserver"]
 
-_run: Callable[[Iterable[object]], None] = deque(maxlen=0).extend  # consumes it, in C
+_run: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # consumes, in C
 
 
 class CacheObserver(Protocol):
