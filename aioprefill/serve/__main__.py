@@ -134,9 +134,9 @@ def spread(cores: int, ranks: int, workers: int | None, threads: int | None) -> 
     worker per core (two 1-thread workers compute ~1.6x what one 2-thread worker does here,
     DESIGN.md's measured facts)."""
     if workers is None:
-        workers = max(1, cores // (ranks * (threads or 1)))
+        workers = max(1, cores // max(1, ranks * (threads or 1)))
     if threads is None:
-        threads = max(1, cores // (ranks * workers))
+        threads = max(1, cores // max(1, ranks * workers))
     return workers, threads
 
 
@@ -145,7 +145,7 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
     (`EngineConfig(tokenizer=)`: --tokenizer, else the checkpoint's own, else none)."""
     path = args.model or default_model()
     model: SimModel | PaddleModel
-    workers = args.workers or 1
+    workers = 1 if args.workers is None else args.workers
     if path == "sim":
         model = SimModel(
             fixed_ms=args.sim_fixed_ms,
@@ -157,8 +157,8 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
         overrides: dict[str, Any] = {"device": args.device}
         if args.dtype is not None:
             overrides["dtype"] = args.dtype
-        threads = args.threads or 1
-        if on_cpu(args.device):
+        threads = 1 if args.threads is None else args.threads
+        if on_cpu(args.device) and workers > 0 and args.tp > 0:
             cores = len(os.sched_getaffinity(0))
             workers, threads = spread(cores, args.tp, args.workers, args.threads)
             log.warning(

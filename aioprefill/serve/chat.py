@@ -121,7 +121,7 @@ def chat_prompt(
     return render_chat(
         template,
         plain_messages(messages),
-        add_generation_prompt=add_generation_prompt and not continue_final_message,
+        add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         special_tokens=getattr(tokenizer, "special_tokens", None),
         documents=documents,
@@ -171,9 +171,11 @@ def chat_body(
                 message=ChatMessage(role="assistant", content=content),
                 logprobs=logprobs,
                 finish_reason=finish,
+                token_ids=[r.token][:generate] if req.return_token_ids else msgspec.UNSET,
             )
         ],
         usage=usage,
+        prompt_token_ids=ids if req.return_token_ids else msgspec.UNSET,
         kv_transfer_params=msgspec.UNSET if kv_transfer_params is None else kv_transfer_params,
     )
 

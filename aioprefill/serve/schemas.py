@@ -91,6 +91,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = False
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
+    return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids
     return_token_offsets: bool = False  # /v1/chat/completions/render only
 
 
@@ -204,6 +205,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None
     finish_reason: str = "length"
     stop_reason: None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # with return_token_ids
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
