@@ -39,8 +39,8 @@ def test_keys_guard_every_route_but_health_and_metrics(tmp_path):
         url = server.url
         body = {"prompt": [1, 2, 3], "max_tokens": 1}
         before = forwards(url)
-        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY},
-                        {"Authorization": f"Basic {KEY}"}, {"Authorization": "Bearer x y"}):  # fmt: skip
+        bad = ["Bearer nope", KEY, f"Basic {KEY}", "Bearer x y"]
+        for headers in [{}, *({"Authorization": h} for h in bad)]:
             for path in ("/v1/completions", "/v1/embeddings", "/v1/chat/completions",
                          "/v1/completions/render", "/tokenize", "/detokenize"):  # fmt: skip
                 r = httpx.post(url + path, json=body, headers=headers)
@@ -56,9 +56,9 @@ def test_keys_guard_every_route_but_health_and_metrics(tmp_path):
                 out = client.completions.create(model="sim", prompt=[1, 2, 3], max_tokens=1)
                 assert len(out.choices) == 1
         assert forwards(url) == before + 2
-        with openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0) as client:
-            with pytest.raises(openai.AuthenticationError):
-                client.completions.create(model="sim", prompt=[1, 2], max_tokens=1)
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with wrong, pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model="sim", prompt=[1, 2], max_tokens=1)
 
         # SIGHUP: the file is read again (one key replaced by another)
         keyfile.write_text(f"{NEW_KEY}\n")
