@@ -31,6 +31,10 @@ REQUIREMENTS = [
     "jinja2>=3.1.6",
     "numpy>=1.26",
     "tokenizers>=0.19",
+    # aioprefill itself (on PYTHONPATH) for the decode node's pull_kv: its core and `transfer` extra
+    "msgspec>=0.18",
+    "uvloop>=0.19",
+    "mooncake-transfer-engine-non-cuda>=0.3",
 ]
 
 
