@@ -8,7 +8,8 @@ make goldens.
 `ensure()` creates it on first use and reuses it after (a stamp holds the requirements it was
 made with); a lock lets parallel test processes wait for one creation. torch 2.13.0's CPU wheel
 lies on the build machines' disk, so pip takes it from there; transformers and the rest come from
-PyPI. Measured on a 2-core build machine: about 75 s the first time, instant after.
+PyPI. Measured on a 2-core build machine shared with other jobs: 68 s for torch, transformers
+and gguf, 45 s more for lm-eval, 8 s for aioprefill's transfer extra; instant after.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ REQUIREMENTS = [
     "msgspec>=0.18",
     "uvloop>=0.19",
     "mooncake-transfer-engine-non-cuda>=0.3",
+    # lm-eval, both its hf backend (the goldens) and local-completions through the server; not in
+    # aioprefill's own venv: it pulls datasets, pandas, pyarrow, scipy and scikit-learn
+    "lm-eval[api]==0.4.13",
 ]
 
 
