@@ -12,7 +12,6 @@ released as soon as `decode()` returns.
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import msgspec
@@ -41,7 +40,6 @@ __all__ = [
     "decode_worker_spec",
     "encode",
     "encode_into",
-    "make_prefill_batch",
 ]
 
 # Flags per request in PrefillBatch.flags
@@ -72,6 +70,11 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     engine_pid: int
     parallel: ParallelInfo = ParallelInfo()
     collective_timeout_s: float = 60.0
+    # Prefix cache: this worker's (this rank's) byte budget for cached blocks of
+    # `block_tokens` prompt tokens; 0 turns the cache off. The worker answers in `Ready` how
+    # many blocks that is; the engine then owns the slots (see `PrefillBatch`).
+    prefix_cache_bytes: int = 0
+    block_tokens: int = 16
 
 
 # ---- engine -> worker ---------------------------------------------------------------------
@@ -99,10 +102,54 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
     options: bytes = b""
     top_k: bytes = b""
     kv_names: list[str] = msgspec.field(default_factory=list)
+    # Prefix cache (all empty when no request of the batch reads or writes a cached block).
+    # The engine owns the worker's block slots (`Ready.cache_blocks` of them): it decides which
+    # slot holds which block, so the worker never evicts on its own.
+    # read_offsets int32[n+1] into read_slots int32[...]: a chunk with reads is its prompt's
+    # first chunk computed, starting at start_pos == len(reads) * block_tokens; prompt block i
+    # (positions i*block_tokens ...) is read from its i-th slot instead of computed.
+    # write_offsets int32[n+1] into write_slots int32[...], write_first int32[n]: after this
+    # chunk, its j-th write slot holds prompt block write_first + j (full blocks that end at or
+    # before this chunk's end). Writing a slot evicts what it held. A request may read a slot
+    # that a request *earlier in the same batch* writes (both share an uncached prefix): the
+    # worker makes each layer's written keys/values visible before later requests attend. The
+    # engine never writes a slot that the same batch reads for its old content.
+    read_offsets: bytes = b""
+    read_slots: bytes = b""
+    write_offsets: bytes = b""
+    write_slots: bytes = b""
+    write_first: bytes = b""
 
     @property
     def size(self) -> int:
         return len(self.request_ids) // 8
+
+    def cache_arrays(self) -> tuple[np.ndarray, ...] | None:
+        """(read_offsets, read_slots, write_offsets, write_slots, write_first) validated, or
+        None when the batch does not touch the prefix cache."""
+        if not (self.read_offsets or self.write_offsets):
+            return None
+        n = self.size
+        if len(self.read_offsets) != 4 * (n + 1) or len(self.write_offsets) != 4 * (n + 1):
+            raise ProtocolError(f"PrefillBatch cache offsets are not {n + 1} int32")
+        if len(self.write_first) != 4 * n:
+            raise ProtocolError(f"PrefillBatch.write_first is not {n} int32")
+        read_offsets = np.frombuffer(self.read_offsets, dtype="<i4")
+        read_slots = np.frombuffer(self.read_slots, dtype="<i4")
+        write_offsets = np.frombuffer(self.write_offsets, dtype="<i4")
+        write_slots = np.frombuffer(self.write_slots, dtype="<i4")
+        write_first = np.frombuffer(self.write_first, dtype="<i4")
+        for offsets, slots, what in (
+            (read_offsets, read_slots, "read"),
+            (write_offsets, write_slots, "write"),
+        ):
+            if offsets[0] != 0 or offsets[n] != len(slots) or (n and np.diff(offsets).min() < 0):
+                raise ProtocolError(f"PrefillBatch {what} offsets do not cover its slots")
+            if len(slots) and slots.min() < 0:
+                raise ProtocolError(f"PrefillBatch {what} slots has a negative slot")
+        if n and write_first.min() < 0:
+            raise ProtocolError("PrefillBatch.write_first has a negative block")
+        return read_offsets, read_slots, write_offsets, write_slots, write_first
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(request_ids, offsets, tokens, start_pos, flags) as read-only views, validated."""
@@ -169,6 +216,8 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     device: str
     started_ns: int
     ready_ns: int
+    cache_blocks: int = 0  # prefix cache slots this worker holds (0: off), slot ids 0..n-1
+    block_bytes: int = 0  # bytes one cached block takes on this worker (KV + what outputs need)
 
 
 class StartFailed(msgspec.Struct, tag=True, array_like=True):
@@ -248,46 +297,6 @@ class BatchFailed(msgspec.Struct, tag=True, array_like=True):
 
 FromWorker = Ready | StartFailed | BatchResult | BatchDone | Spilled | BatchFailed
 
-
-def make_prefill_batch(
-    batch_id: int,
-    request_ids: list[int],
-    token_parts: list[bytes],
-    start_pos: list[int] | None,
-    flags: list[int] | None,
-    free_ids: list[int],
-    sent_ns: int,
-    options: tuple[bytes, bytes, list[str]] | None = None,
-) -> PrefillBatch:
-    """Pack per-request columns into a PrefillBatch (`token_parts`: int32 bytes per request).
-
-    `start_pos` / `flags` None mean every request is a whole prompt. `struct.pack` over Python
-    ints beats building NumPy arrays for the small batches that dominate the hot path, and
-    costs a few microseconds for a 256-request batch. `options`: the (options, top_k,
-    kv_names) columns from `aioprefill.outputs.option_columns`, None when nobody asked.
-    """
-    n = len(request_ids)
-    offsets = [0]
-    total = 0
-    for part in token_parts:
-        total += len(part) >> 2
-        offsets.append(total)
-    msg = PrefillBatch(
-        batch_id=batch_id,
-        request_ids=struct.pack(f"<{n}q", *request_ids),
-        offsets=struct.pack(f"<{n + 1}i", *offsets),
-        tokens=b"".join(token_parts),
-        start_pos=bytes(4 * n) if start_pos is None else struct.pack(f"<{n}i", *start_pos),
-        flags=_WHOLE_PROMPT * n if flags is None else bytes(flags),
-        free_ids=struct.pack(f"<{len(free_ids)}q", *free_ids) if free_ids else b"",
-        sent_ns=sent_ns,
-    )
-    if options is not None:
-        msg.options, msg.top_k, msg.kv_names = options
-    return msg
-
-
-_WHOLE_PROMPT = bytes([FLAG_FIRST_CHUNK | FLAG_LAST_CHUNK])
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from aioprefill import protocol
+from aioprefill.batching import make_prefill_batch
 from aioprefill.config import SimModel
 from aioprefill.errors import ProtocolError
 from aioprefill.kv import KVExports
 from aioprefill.outputs import ResultColumns, option_columns, parse_outputs
-from aioprefill.protocol import BatchResult, make_prefill_batch
+from aioprefill.protocol import BatchResult
 
 
 def parse(**kw):

@@ -189,6 +189,7 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
     try:
         ids, offsets, tokens, start_pos, flags = msg.arrays()
         options, top_k, kv_names = msg.option_arrays()
+        cache = msg.cache_arrays()
         if msg.free_ids:
             runner.free(msg.free_array())
         batch = ForwardBatch(
@@ -200,6 +201,7 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
             options=options,
             top_k=top_k,
             kv_names=kv_names,
+            **({} if cache is None else dict(zip(_CACHE_FIELDS, cache, strict=True))),
         )
         out = runner.forward(batch)
         end_ns = time.monotonic_ns()
@@ -232,6 +234,9 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
         prompt_top_k_ids=_column(out.prompt_top_k_ids, "<i4"),
         prompt_top_k_logprobs=_column(out.prompt_top_k_logprobs, "<f4"),
     )
+
+
+_CACHE_FIELDS = ("read_offsets", "read_slots", "write_offsets", "write_slots", "write_first")
 
 
 def _column(array: np.ndarray, dtype: str) -> bytes:

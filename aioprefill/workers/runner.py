@@ -44,6 +44,14 @@ class ForwardBatch:
     top_k: np.ndarray | None = None  # int32[n]; None: 0 for every request
     # One shared-memory segment name per request with OPT_RETURN_KV, in batch order.
     kv_names: tuple[str, ...] = _NO_NAMES
+    # Prefix cache instructions (`protocol.PrefillBatch` says what they mean); None: the batch
+    # neither reads nor writes cached blocks. A chunk with reads starts its prompt afresh at
+    # start_pos = len(reads) * block_tokens.
+    read_offsets: np.ndarray | None = None  # int32[n+1] into read_slots
+    read_slots: np.ndarray | None = None  # int32
+    write_offsets: np.ndarray | None = None  # int32[n+1] into write_slots
+    write_slots: np.ndarray | None = None  # int32
+    write_first: np.ndarray | None = None  # int32[n]: prompt block held by the first write slot
 
     @property
     def size(self) -> int:

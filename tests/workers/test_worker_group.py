@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from aioprefill import protocol
+from aioprefill.batching import make_prefill_batch
 from aioprefill.config import EngineConfig, ModelSpec, SimModel
 from aioprefill.parallel import ParallelInfo, ParallelMode
 from aioprefill.pool.process import WorkerHandle
@@ -50,7 +51,7 @@ async def group(
 
 def send(h: WorkerHandle, batch_id: int, prompts: list[list[int]]) -> None:
     parts = [np.asarray(p, dtype="<i4").tobytes() for p in prompts]
-    msg = protocol.make_prefill_batch(batch_id, list(range(len(prompts))), parts, None, None, [], 0)
+    msg = make_prefill_batch(batch_id, list(range(len(prompts))), parts, None, None, [], 0)
     assert h.inbox is not None and h.inbox.send_nowait(protocol.encode(msg))
 
 
