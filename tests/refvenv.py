@@ -22,7 +22,7 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VENV = ROOT / ".ref-venv"
+VENV = Path(os.environ.get("AIOPREFILL_REF_VENV", ROOT / ".ref-venv"))  # override: share one
 PYTHON = VENV / "bin" / "python"
 REQUIREMENTS = [
     "torch==2.13.0",  # the CPU wheel on local disk; any other version downloads a CUDA build
@@ -49,7 +49,7 @@ def ensure() -> Path:
     if PYTHON.exists() and stamp.exists() and stamp.read_text() == wanted:
         return PYTHON
     VENV.parent.mkdir(parents=True, exist_ok=True)
-    with open(ROOT / ".ref-venv.lock", "w") as lock:
+    with open(VENV.parent / f"{VENV.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be creating it
         if PYTHON.exists() and stamp.exists() and stamp.read_text() == wanted:
             return PYTHON

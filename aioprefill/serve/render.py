@@ -18,6 +18,7 @@ import msgspec
 
 from aioprefill.serve.routes import Service, decode_body
 from aioprefill.serve.schemas import ChatRequest, CompletionRequest, RenderedPrompt
+from aioprefill.validate import validate_prompt
 
 __all__ = ["render_chat", "render_completions"]
 
@@ -53,6 +54,8 @@ async def render_completions(
     req, raw = _parse(_completion, body)
     offsets = req.return_token_offsets
     prompts = await service.prompts(req.prompt, "prompt", offsets=offsets)
+    if len(prompts) == 1:  # a list's prompts were checked; a lone one is left to the engine
+        validate_prompt(prompts[0].ids, service.vocab_size, service.max_model_len)
     common = _common(raw, service.settings.served_model_name)
     return [
         RenderedPrompt(

@@ -120,6 +120,8 @@ def test_completions_render_gives_vllms_generate_requests(server):
         assert len(spans) == len(ids) and "".join(text[a:b] for a, b in spans) == text
     plain = httpx.post(server.url + "/v1/completions/render", json={"prompt": [5, 6, 7]}).json()
     assert plain[0]["token_ids"] == [5, 6, 7] and plain[0]["token_offsets"] is None
+    bad = httpx.post(server.url + "/v1/completions/render", json={"prompt": [5, 10**6]})
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
