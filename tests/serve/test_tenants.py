@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from aioprefill import Engine
+from tests.hf.smollm2 import gguf_path
 from tests.serve.util import serve
 
 pytestmark = pytest.mark.skipif(
@@ -22,9 +23,14 @@ pytestmark = pytest.mark.skipif(
 PROMPT = list(range(1, 200))  # several 16-token blocks
 
 
-def cached(url: str, key: str, salt: str | None = None, prompt=PROMPT) -> int:
-    body = {"prompt": prompt, "max_tokens": 1} | ({"cache_salt": salt} if salt else {})
-    r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+CHAT = [{"role": "user", "content": "Tell me about the sea. " * 20}]
+
+
+def cached(url: str, key: str, salt: str | None = None, chat: bool = False) -> int:
+    path, body = ("/v1/chat/completions", {"messages": CHAT}) if chat else (
+        "/v1/completions", {"prompt": PROMPT})  # fmt: skip
+    body |= {"max_tokens": 1} | ({"cache_salt": salt} if salt else {})
+    r = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 200, r.text
     return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
@@ -32,7 +38,8 @@ def cached(url: str, key: str, salt: str | None = None, prompt=PROMPT) -> int:
 @pytest.mark.parametrize("isolation", ["per-key", "shared"])
 def test_two_keys_share_no_block_with_per_key_isolation(isolation):
     flags = ["--model", "sim", "--workers", "1", "--api-key", "key-a", "--api-key", "key-b",
-             "--cache-isolation", isolation]  # fmt: skip
+             "--cache-isolation", isolation, "--sim-vocab-size", "49152",
+             "--tokenizer", str(gguf_path())]  # fmt: skip
     with serve(*flags) as server:
         url = server.url
         assert cached(url, "key-a") == 0
@@ -46,3 +53,8 @@ def test_two_keys_share_no_block_with_per_key_isolation(isolation):
             assert cached(url, "key-b", salt="s") == 0  # the same body salt, another key
         else:
             assert cached(url, "key-b") == hit  # shared: the other key reads key-a's blocks
+        # chat: the same, on the rendered conversation
+        assert cached(url, "key-a", chat=True) == 0
+        hit = cached(url, "key-a", chat=True)
+        assert hit > 0
+        assert cached(url, "key-b", chat=True) == (0 if isolation == "per-key" else hit)
