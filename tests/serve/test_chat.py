@@ -19,6 +19,7 @@ from aioprefill.errors import InvalidRequest
 from aioprefill.serve.chat import chat_prompt
 from tests.hf.smollm2 import DATA, gguf_path
 from tests.serve.util import serve
+from tests.tokenizer_files import SMOLLM2_DIR
 
 GOLDEN = json.loads((DATA / "chat.json").read_text())
 CASES = GOLDEN["cases"]
@@ -163,3 +164,17 @@ def test_text_parts_are_joined_and_a_model_without_a_template_is_refused():
     with pytest.raises(InvalidRequest, match="this model has no chat template"):
         chat_prompt(tok, parts, chat_template=None, template_kwargs=None,
                     add_generation_prompt=True, continue_final_message=False)  # fmt: skip
+
+
+def test_a_server_whose_model_has_no_template_says_so():
+    flags = ["--model", "sim", "--sim-vocab-size", "49152", "--tokenizer", str(SMOLLM2_DIR)]
+    with serve(*flags) as server:  # tokenizer.json without a chat template
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+        body |= {"chat_template": template, "return_token_ids": True}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        ids = httpx.post(server.url + "/tokenize", json={"prompt": "hi"}).json()["tokens"]
+        assert r.json()["prompt_token_ids"] == ids
