@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def test_local_completions_scores_equal_the_hf_backend(tmp_path):
     python = refvenv.ensure()
     # lm-eval loads its tokenizer with transformers' AutoTokenizer from a directory: the GGUF
-    # file's tokenizer, saved once (the pitfall docs/pd-lm-eval-keys.md names)
+    # file's tokenizer, saved once (the pitfall docs/serving.md names)
     tokenizer = tmp_path / "tokenizer"
     save = ("import sys; from pathlib import Path; from transformers import AutoTokenizer; "
             "g = Path(sys.argv[1]); AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)"
