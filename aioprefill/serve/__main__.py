@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-pending", type=int, default=65536)
     g.add_argument("--max-prompt-tokens", type=int, default=None)
     g.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=None,
+        help="prefix cache per worker, in bytes; 0 turns it off (default: the engine's, 1 GiB)",
+    )
+    g.add_argument(
         "--kv-transfer",
         choices=["mooncake"],
         default=None,
@@ -181,6 +187,11 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
         max_prompt_tokens=args.max_prompt_tokens,
         tokenizer=args.tokenizer,
         **kv_transfer(args),
+        **(
+            {}
+            if args.prefix_cache_bytes is None
+            else {"prefix_cache_bytes": args.prefix_cache_bytes}
+        ),
     )
     return config, args.served_model_name or name
 

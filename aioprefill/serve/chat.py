@@ -154,12 +154,11 @@ def chat_body(
         finish = "stop" if r.token == eos else "length"
         if req.logprobs:
             logprobs = ChatLogprobs(content=[_logprob(r, tokenizer)])
-    cached = getattr(r, "cached_tokens", None)
     usage = Usage(
         prompt_tokens=len(ids),
         completion_tokens=generate,
         total_tokens=len(ids) + generate,
-        prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=r.cached_tokens),
     )
     return ChatCompletion(
         id=f"chatcmpl-{request_id}",

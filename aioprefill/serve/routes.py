@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -75,13 +74,11 @@ class Service:
         self._detokenize = _decoder(DetokenizeRequest)
         # KV transfer (vllm-router's PD mode) only where a transfer engine is configured.
         self.kv_transfer = config.kv_transfer is not None
-        # A salt is passed only to an engine with a prefix cache (without one nothing is shared).
-        self._salted = "cache_salt" in inspect.signature(engine.prefill).parameters
 
     def salt_option(self, tenant: str | None, body_salt: str | None) -> dict[str, Any]:
         """engine.prefill()'s `cache_salt` for a request: the tenant's and the body's."""
         salt = cache_salt(tenant, body_salt)
-        return {"cache_salt": salt} if salt is not None and self._salted else {}
+        return {"cache_salt": salt} if salt is not None else {}
 
     # ---- scoring and embeddings -------------------------------------------------------
 

@@ -137,8 +137,7 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    # with a prefix cache only (the engine reports cached_tokens)
-    prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails | None = None  # completions and chat
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):

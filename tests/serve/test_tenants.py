@@ -2,23 +2,15 @@
 share a cached block (`usage.prompt_tokens_details.cached_tokens` is 0 for the other key's
 prompt, and each key still hits its own cache); a body `cache_salt` splits one key's cache
 further; without isolation the same two keys share (the control that shows the measurement can
-see a shared block)."""
+see a shared block). `--prefix-cache-bytes 0` turns the cache off."""
 
 from __future__ import annotations
-
-import inspect
 
 import httpx
 import pytest
 
-from aioprefill import Engine
 from tests.hf.smollm2 import gguf_path
 from tests.serve.util import serve
-
-pytestmark = pytest.mark.skipif(
-    "cache_salt" not in inspect.signature(Engine.prefill).parameters,
-    reason="this aioprefill has no prefix cache yet",
-)
 
 PROMPT = list(range(1, 200))  # several 16-token blocks
 
@@ -58,3 +50,10 @@ def test_two_keys_share_no_block_with_per_key_isolation(isolation):
         hit = cached(url, "key-a", chat=True)
         assert hit > 0
         assert cached(url, "key-b", chat=True) == (0 if isolation == "per-key" else hit)
+
+
+def test_prefix_cache_bytes_zero_turns_the_cache_off():
+    with serve("--model", "sim", "--workers", "1", "--prefix-cache-bytes", "0") as server:
+        assert cached(server.url, "any") == cached(server.url, "any") == 0
+    with serve("--model", "sim", "--workers", "1") as server:  # on by default
+        assert cached(server.url, "any") == 0 and cached(server.url, "any") > 0
