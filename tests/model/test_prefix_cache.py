@@ -240,3 +240,30 @@ def test_slots_take_memory_only_as_they_are_written() -> None:
     before = rss()
     r.forward(planned(make_batch([p]), None, [list(range(40))], [0]))
     assert rss() - before < (40 * 14978 + (64 << 20))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_readers_of_the_same_slots_in_one_batch(mode: str) -> None:
+    """A burst sharing a cached prefix: every reader of the same slots answers as if alone
+    (they share one copy of the cached K/V per layer), the last one going on in a second
+    chunk."""
+    r = runner(mode)
+    shared = prompt(64, seed=11)
+    run(r, [(shared, 0)], 0, [([], [50, 51, 52, 53], 0)])
+    full = [np.concatenate([shared, prompt(3 + 9 * i, seed=12 + i)]) for i in range(3)]
+    extra = prompt(20, seed=20)
+    batch = make_batch([f[64:] for f in full], ids=[1, 2, 3], starts=[64] * 3)
+    batch = dataclasses.replace(batch, is_last=np.array([True, True, False]))
+    out = r.forward(planned(batch, [[50, 51, 52, 53]] * 3))
+    assert out.request_ids.tolist() == [1, 2]
+    rest = r.forward(make_batch([extra], ids=[3], starts=[len(full[2])]))
+    got = [(out.tokens[0], out.logprobs[0]), (out.tokens[1], out.logprobs[1])]
+    got.append((rest.tokens[0], rest.logprobs[0]))
+    wholes = [full[0], full[1], np.concatenate([full[2], extra])]
+    for (token, logprob), p in zip(got, wholes, strict=True):
+        want = r.forward(make_batch([p], ids=[next(_ids)]))
+        assert token == want.tokens[0]
+        if mode == "deterministic":
+            assert logprob == want.logprobs[0]
+        else:
+            assert abs(logprob - want.logprobs[0]) <= 1e-5
