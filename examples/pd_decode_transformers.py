@@ -143,8 +143,8 @@ def handler(decoder: Decoder) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             # the body is read whatever the route: left unread, it would be taken for the next
-            # request's first line on this keep-alive connection (routers call other routes,
-            # e.g. /v1/chat/completions/render, and take a 404 as "not offered")
+            # request's first line on this keep-alive connection (vllm-router calls the render
+            # routes and /tokenize here too, and takes a 404 as "not offered")
             raw = self.rfile.read(int(self.headers.get("content-length", 0)))
             if self.path not in ("/v1/completions", "/v1/chat/completions"):
                 self._send(404, {"error": {"message": f"no route {self.path}", "code": 404}})
