@@ -35,7 +35,7 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
     only grow, across worker deaths and restarts; `blocks` and `bytes` are what the workers
     hold now (every rank of a tensor-parallel group counted in `bytes`)."""
 
-    queried_tokens: int = 0  # prompt tokens of every first chunk planned against a cache
+    queried_tokens: int = 0  # prompt tokens of every prompt with a full block, at each lookup
     hit_tokens: int = 0  # of those, read from the cache (piggyback reads included)
     blocks: int = 0
     bytes: int = 0
@@ -138,7 +138,7 @@ class PrefixCache:
             blocks=sum(len(ix) for ix in self.indexes),
             bytes=sum(len(ix) * ix.block_bytes for ix in self.indexes),
             evictions=self.evictions,
-            capacity_blocks=sum(ix.num_blocks for ix in self.indexes),
+            capacity_blocks=sum(s.cache_blocks for s in self.slots),
         )
 
     def check(self, pins: Iterable[Pins | None]) -> None:

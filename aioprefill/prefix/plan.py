@@ -126,7 +126,8 @@ class BatchPlan:
         hashes: list[int] = req.hashes or []
         reads: list[int] = []
         if start == 0:
-            self.queried += req.num_tokens
+            if hashes:  # (a prompt without a full block is never looked up)
+                self.queried += req.num_tokens
             if cached:
                 reads = index.match(hashes, min(cached, end - 1) // size)
                 for slot in reads:

@@ -187,3 +187,41 @@ def test_a_failed_batchs_writes_are_forgotten_even_while_a_later_batch_reads_the
     assert sorted(cache.indexes[0].free) == list(range(8))
     chunks, _, _ = run(cache, slots, [request(3, list(range(9)), cache)])
     assert chunks[0].cached == 0
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def stored(self, worker, hashes, parent_hash, token_ids):
+        self.events.append(("stored", worker, list(hashes), parent_hash, list(token_ids)))
+
+    def removed(self, worker, hashes):
+        self.events.append(("removed", worker, list(hashes)))
+
+    def cleared(self, worker):
+        self.events.append(("cleared", worker))
+
+
+def test_the_observer_hears_blocks_stored_parents_first_evicted_failed_and_cleared():
+    slots = groups(1, 3)
+    cache = PrefixCache(slots, B)
+    cache.observer = seen = Recorder()
+    a = list(range(1, 10))  # blocks a0 a1
+    _, _, pins = run(cache, slots, [request(1, a, cache)])
+    cache.release(pins)
+    ha = block_hashes(np.asarray(a, "<i4").tobytes(), B)
+    assert seen.events == [("stored", 0, ha, None, a[:8])]
+    seen.events.clear()
+    b = [*a[:8], 50, 51, 52, 53, 54]  # reads a0 a1, writes its block 2 (a free slot)
+    _, _, pins = run(cache, slots, [request(2, b, cache)])
+    hb = block_hashes(np.asarray(b, "<i4").tobytes(), B)
+    assert seen.events == [("stored", 0, hb[2:], ha[1], b[8:12])]
+    cache.release(pins, failed=True)  # its forward failed: the block it wrote is gone
+    assert seen.events[-1] == ("removed", 0, hb[2:])
+    seen.events.clear()
+    c = [70, 71, 72, 73, 74, 75, 76, 77, 78]
+    _, _, pins = run(cache, slots, [request(3, c, cache)])  # needs two slots: one evicted
+    assert seen.events[0] == ("removed", 0, [ha[1]])  # a's last block, not its parent
+    cache.drop(0)
+    assert seen.events[-1] == ("cleared", 0)
