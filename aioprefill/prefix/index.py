@@ -60,10 +60,12 @@ class BlockIndex:
         "num_blocks",
         "pins",
         "slot_of",
+        "stored",
     )
 
     def __init__(self, num_blocks: int = 0, block_bytes: int = 0) -> None:
         self.epoch = 0
+        self.stored = 0  # blocks ever written (every life of the group): its share of the work
         self.reset(num_blocks, block_bytes)
 
     def reset(self, num_blocks: int, block_bytes: int) -> None:
@@ -144,6 +146,7 @@ class BlockIndex:
 
     def put(self, blocks: list[int], slots: list[int]) -> None:
         """`slots` (from `take`) now hold `blocks`, each pinned once by the batch writing it."""
+        self.stored += len(blocks)
         self.slot_of.update(zip(blocks, slots, strict=True))
         self.hash_of.update(zip(slots, blocks, strict=True))
         self.pins.update(dict.fromkeys(slots, 1))

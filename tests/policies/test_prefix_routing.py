@@ -35,8 +35,8 @@ def test_an_idle_group_waits_while_the_home_serves_sooner_then_the_home_takes_it
     h = Harness("forward", groups=2, cache_blocks=64)
     h.arrive(ids=[*PREFIX, 1])
     h.done(0)
-    h.arrive(ids=[7] * 8)  # group 0 busy: 8 tokens in flight (a wait of 4) against a gain of 40
-    a = h.arrive(ids=[*PREFIX, 3])
+    h.arrive(ids=[*PREFIX, *[7] * 8])  # its home is group 0: 8 tokens in flight (a wait of 4)
+    a = h.arrive(ids=[*PREFIX, 3])  # against a gain of 40
     assert h.pool.sent[-1].group == 0 and not h.pool.slots[1].in_flight  # group 1 stays idle
     h.done(0)
     assert h.pool.sent[-1].group == 0 and h.sent_ids()[-1] == [a.request_id]
@@ -56,7 +56,7 @@ def test_an_idle_group_takes_a_request_whose_home_is_too_busy_and_stores_no_copy
     h = Harness("forward", groups=2, cache_blocks=64, max_batch_tokens=300)
     h.arrive(ids=[*PREFIX, 1])
     h.done(0)
-    h.arrive(ids=[7] * 200)  # group 0 busy: a wait of 100 tokens, over 2 x the 40 it saves
+    h.arrive(ids=[*PREFIX, *[7] * 200])  # on group 0: a wait of 100, over 2 x the 40 it saves
     a = h.arrive(ids=[*PREFIX, 3])
     batch = h.pool.sent[-1]
     assert batch.group == 1 and batch.ids == [a.request_id] and cached_of(h) == [0]
@@ -71,7 +71,7 @@ def test_the_requests_left_to_a_home_count_in_its_wait_and_the_rest_go_elsewhere
     h = Harness("forward", groups=2, cache_blocks=64, max_batch_tokens=400, max_batch_size=16)
     h.arrive(ids=[*PREFIX, 1])
     h.done(0)
-    h.arrive(ids=[7] * 8)  # group 0 busy (a wait of 4)
+    h.arrive(ids=[*PREFIX, *[7] * 8])  # on group 0 (its home): a wait of 4
     # Each saves 40 tokens (2 x 40 = 80) at group 0 and leaves 31 to compute there: the
     # first three wait (4, 35, 66 < 80), the fourth would wait 97 and runs on group 1.
     reqs = [h.arrive(ids=[*PREFIX, *[i] * 31]) for i in range(4)]
@@ -79,6 +79,17 @@ def test_the_requests_left_to_a_home_count_in_its_wait_and_the_rest_go_elsewhere
     assert h.pool.sent[-1].group == 1 and h.sent_ids()[-1] == [reqs[3].request_id]
     h.done(0)
     assert h.sent_ids()[-1] == [r.request_id for r in reqs[:3]] and cached_of(h) == [40] * 3
+
+
+def test_a_new_prefix_goes_to_the_idle_group_that_stored_least():
+    h = Harness("forward", groups=3, cache_blocks=64)
+    h.arrive(ids=[*PREFIX, 1])  # all stored nothing: group 0
+    h.done(0)
+    b = h.arrive(ids=list(range(300, 321)))  # group 0 stored 10 blocks: group 1 takes it
+    assert h.pool.sent[-1].group == 1 and h.sent_ids()[-1] == [b.request_id]
+    h.done(1)
+    c = h.arrive(ids=list(range(400, 409)))  # groups 0 and 1 stored 10 and 5: group 2
+    assert h.pool.sent[-1].group == 2 and h.sent_ids()[-1] == [c.request_id]
 
 
 def test_uncached_tokens_fill_the_budget():
