@@ -124,8 +124,9 @@ class Scheduler:
             if staged.has_cancelled:
                 staged.drop_cancelled()
             if staged.requests:
-                fresh = self._plan(group, sink) if staged.hashed else None
-                plan, cols, chunks = staged.planned(fresh)
+                plan, cols, chunks = None, staged.columns, None
+                if staged.hashed:
+                    plan, cols, chunks = staged.planned(self._plan(group, sink))
                 batch = sink.send(group, cols, backlogged=backlogged)
                 if batch is None:
                     if plan is not None:
@@ -203,8 +204,7 @@ class Scheduler:
     def _commit_staged(self, staged: StagedBatch, chunks: list[Chunk] | None) -> list[Chunk]:
         num_tokens = staged.num_tokens  # (whole prompts: cached tokens included)
         requests = staged.clear()
-        if chunks is None:
-            chunks = [Chunk(req, 0, req.num_tokens) for req in requests]
+        chunks = [Chunk(r, 0, r.num_tokens) for r in requests] if chunks is None else chunks
         for c in chunks:
             req = c.request
             req.next_pos = req.num_tokens
