@@ -13,6 +13,7 @@ from aioprefill.checks import finite_nonneg as _finite_nonneg
 from aioprefill.checks import positive_int as _positive_int
 from aioprefill.checks import require as _require
 from aioprefill.models import ARCHITECTURES, ROPE_TYPES, ModelSpec, PaddleModel, SimModel
+from aioprefill.optional import import_optional
 from aioprefill.parallel import check_parallel
 from aioprefill.text import resolve_tokenizer
 from aioprefill.tokenizer import Tokenizer
@@ -65,6 +66,31 @@ def _check_kv_transfer(kind: object, options: object) -> None:
         load_mooncake()
 
 
+def _check_endpoint(value: object, name: str) -> None:
+    head, _, port = str(value).rpartition(":")
+    _require(
+        isinstance(value, str)
+        and value.startswith("tcp://")
+        and len(head) > len("tcp://")
+        and port.isdigit()
+        and 0 < int(port) < 65536,
+        name,
+        f"must be 'tcp://HOST:PORT' (HOST may be * to bind every address); got {value!r}",
+    )
+
+
+def _check_kv_events(endpoint: object, replay: object) -> None:
+    if endpoint is None:
+        _require(
+            replay is None, "EngineConfig.kv_events_replay_endpoint", "needs kv_events_endpoint"
+        )
+        return
+    _check_endpoint(endpoint, "EngineConfig.kv_events_endpoint")
+    if replay is not None:
+        _check_endpoint(replay, "EngineConfig.kv_events_replay_endpoint")
+    import_optional("zmq", "events")  # InvalidConfig naming the extra when pyzmq is missing
+
+
 @dataclass(slots=True, kw_only=True)
 class EngineConfig:
     """Everything an `Engine` needs. Validated once, here; bad fields raise `InvalidConfig`."""
@@ -109,6 +135,11 @@ class EngineConfig:
     # `kv.transfer_params()` tells a decode node how to pull it (aioprefill.transfer).
     kv_transfer: str | None = None
     kv_transfer_options: TransferOptions = field(default_factory=TransferOptions)
+    # "tcp://HOST:PORT": publish the prefix cache's blocks there as vLLM KV events (ZMQ PUB)
+    # for vllm-router's --policy kv_aware; a replay of recent ones is served on
+    # kv_events_replay_endpoint (None: the same host, PORT + 1). See docs/kv-events.md.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -172,6 +203,7 @@ class EngineConfig:
         )
         _positive_int(self.max_kv_export_bytes, "EngineConfig.max_kv_export_bytes", allow_zero=True)
         _check_kv_transfer(self.kv_transfer, self.kv_transfer_options)
+        _check_kv_events(self.kv_events_endpoint, self.kv_events_replay_endpoint)
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(

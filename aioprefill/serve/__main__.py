@@ -54,6 +54,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="127.0.0.1",
         help="the address decode nodes reach this server at",
     )
+    g.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish prefix-cache blocks as vLLM KV events (vllm-router --policy kv_aware)",
+    )
+    g.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="serve replays of recent KV events here (default: the events port + 1)",
+    )
     g = p.add_argument_group("embeddings")
     g.add_argument("--pooling", choices=["mean", "last"], default="mean")
     g.add_argument("--normalize", action="store_true", help="L2-normalise embeddings")
@@ -109,6 +121,8 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
         max_pending=args.max_pending,
         max_prompt_tokens=args.max_prompt_tokens,
         tokenizer=args.tokenizer,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         **kv_transfer(args),
     )
     return config, args.served_model_name or name
