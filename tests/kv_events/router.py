@@ -36,7 +36,10 @@ class Router:
 
 @contextmanager
 def router(
-    workers: Sequence[str], policy: str, *flags: str, sources: dict[str, str] | None = None,
+    workers: Sequence[str],
+    policy: str,
+    *flags: str,
+    sources: dict[str, str] | None = None,
     replays: dict[str, str] | None = None,
 ) -> Iterator[Router]:
     """vllm-router in front of `workers`; `sources` / `replays`: worker URL -> endpoint."""

@@ -80,7 +80,7 @@ class Cluster:
         for i in range(n):
             r = httpx.post(
                 self.router.url + "/v1/completions",
-                json={"model": "sim", "prompt": tokens + [7, i + 1], "max_tokens": 1},
+                json={"model": "sim", "prompt": [*tokens, 7, i + 1], "max_tokens": 1},
                 timeout=30,
             )
             assert r.status_code == 200, r.text
