@@ -42,7 +42,7 @@ class NodeBlocks:
         self,
         worker: int,
         hashes: Sequence[int],
-        parent: int | None,
+        parent_hash: int | None,
         token_ids: Sequence[int],
     ) -> list[Event]:
         """`worker` now holds the chain `hashes` (parent first), whose tokens are `token_ids`
@@ -58,7 +58,7 @@ class NodeBlocks:
         events: list[Event] = []
         run: list[int] = []
         run_start = 0
-        prev = None if parent is None else parent & MASK64
+        prev = None if parent_hash is None else parent_hash & MASK64
         run_parent = prev
         for i, raw in enumerate(hashes):
             h = raw & MASK64

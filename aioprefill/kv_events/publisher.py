@@ -144,10 +144,10 @@ class KVEventPublisher:
     # ---- the block index's observer ------------------------------------------------------
 
     def stored(
-        self, worker: int, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int]
+        self, worker: int, hashes: Sequence[int], parent_hash: int | None, token_ids: Sequence[int]
     ) -> None:
-        """`worker` holds the chain `hashes` (its first block's parent: `parent`)."""
-        self._add(self.blocks.stored(worker, hashes, parent, token_ids))
+        """`worker` holds the chain `hashes` (its first block's parent: `parent_hash`)."""
+        self._add(self.blocks.stored(worker, hashes, parent_hash, token_ids))
 
     def removed(self, worker: int, hashes: Sequence[int]) -> None:
         """`worker` evicted `hashes`."""
