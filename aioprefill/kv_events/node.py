@@ -9,7 +9,9 @@ per rank, `--intra-node-data-parallel-size`) picks the rank itself and tells the
 node publishes the union of its workers' blocks as rank 0. A block is announced when the first
 worker stores it and withdrawn when the last one holding it drops it; a worker's restart
 withdraws only the blocks no other worker holds (all of them, as `AllBlocksCleared`, when the
-node is left with none). Pure bookkeeping: it returns events, the publisher sends them.
+node is left with none). It keeps each block's parent and tokens too, so that a subscriber
+that joins late can be sent the whole node (`snapshot`, parents first). Pure bookkeeping: it
+returns events, the publisher sends them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class NodeBlocks:
         self.medium = medium
         self._held: dict[int, set[int]] = {}  # worker -> hashes it holds
         self._count: dict[int, int] = {}  # hash -> workers holding it
+        # hash -> (parent, the token ids it came with, its index there): no copy per block
+        self._meta: dict[int, tuple[int | None, Sequence[int], int]] = {}
 
     def __len__(self) -> int:
         """Distinct blocks the node holds."""
@@ -67,6 +71,7 @@ class NodeBlocks:
                 n = self._count.get(h, 0)
                 self._count[h] = n + 1
                 if n == 0:  # new to the node
+                    self._meta[h] = (prev, token_ids, i)
                     if not run:
                         run_start, run_parent = i, prev
                     run.append(h)
@@ -104,12 +109,49 @@ class NodeBlocks:
             self._count[h] = n
             return False
         del self._count[h]
+        del self._meta[h]
         return True
+
+    def snapshot(self) -> list[Event]:
+        """Every block the node holds as `BlockStored` events, each after its parent: one
+        event per unbranched stretch of a chain. A block whose parent the node no longer
+        holds keeps that parent (a subscriber skips it, as it would have)."""
+        children: dict[int | None, list[int]] = {}
+        roots: list[int] = []
+        meta = self._meta
+        b = self.block_tokens
+        for h, (parent, _, _) in meta.items():
+            if parent is None or parent not in meta:
+                roots.append(h)
+            else:
+                children.setdefault(parent, []).append(h)
+        events: list[Event] = []
+        stack = roots
+        while stack:
+            h = stack.pop()
+            run = [h]
+            while len(kids := children.get(run[-1], [])) == 1:
+                run.append(kids[0])
+            stack.extend(kids)
+            tokens: list[int] = []
+            for k in run:
+                _, ids, i = meta[k]
+                tokens.extend(_as_list(ids[i * b : (i + 1) * b]))
+            events.append(BlockStored(run, meta[h][0], tokens, b, medium=self.medium))
+        return events
 
     def _stored(
         self, run: list[int], parent: int | None, token_ids: Sequence[int], start: int
     ) -> BlockStored:
         b = self.block_tokens
-        tokens = token_ids[start * b : (start + len(run)) * b]
-        ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
-        return BlockStored(run, parent, ids, b, medium=self.medium)
+        whole = start == 0 and len(run) * b == len(token_ids)
+        tokens = token_ids if whole else token_ids[start * b : (start + len(run)) * b]
+        return BlockStored(run, parent, _as_list(tokens), b, medium=self.medium)
+
+
+def _as_list(ids: Sequence[int]) -> list[int]:
+    """Token ids as the list msgpack encodes (the engine passes a list: no copy)."""
+    if isinstance(ids, list):
+        return ids
+    tolist = getattr(ids, "tolist", None)  # a NumPy array
+    return tolist() if tolist is not None else list(ids)

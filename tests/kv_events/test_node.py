@@ -103,3 +103,49 @@ def test_random_histories_keep_the_announced_view_equal_to_the_union():
             else:
                 view.clear()
         assert view == set().union(*truth.values())
+
+
+def test_a_snapshot_is_the_union_with_parents_first_and_tokens_kept():
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    node = NodeBlocks(B)
+    tokens_of: dict[int, list[int]] = {}
+    next_hash = 1
+    chains: list[list[int]] = []
+    for _ in range(300):
+        w = rng.randrange(3)
+        if chains and rng.random() < 0.4:  # extend or branch an existing chain
+            base = rng.choice(chains)
+            prefix = base[: rng.randrange(1, len(base) + 1)]
+        else:
+            prefix = []
+        new = list(range(next_hash, next_hash + rng.randrange(1, 4)))
+        next_hash += len(new)
+        for h in new:
+            tokens_of[h] = [rng.randrange(1, 30000) for _ in range(B)]
+        chain = prefix + new
+        chains.append(chain)
+        node.stored(w, chain, None, [t for h in chain for t in tokens_of[h]])
+        if rng.random() < 0.3:
+            node.removed(rng.randrange(3), rng.sample(chain, 1))
+    parents = {}
+    for chain in chains:
+        for parent, h in zip([None, *chain], chain, strict=False):
+            parents[h] = parent
+    seen: set[int] = set()
+    for ev in node.snapshot():
+        assert isinstance(ev, BlockStored)
+        first = ev.block_hashes[0]
+        assert ev.parent_block_hash == parents[first]
+        assert (
+            ev.parent_block_hash is None
+            or ev.parent_block_hash in seen
+            or not node.holds(ev.parent_block_hash)
+        )
+        for prev, h in zip([ev.parent_block_hash, *ev.block_hashes], ev.block_hashes, strict=False):
+            assert parents[h] == prev
+        assert ev.token_ids == [t for h in ev.block_hashes for t in tokens_of[h]]
+        assert not seen & set(ev.block_hashes)
+        seen.update(ev.block_hashes)
+    assert seen == {h for h in parents if node.holds(h)} and len(seen) == len(node)

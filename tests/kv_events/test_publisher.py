@@ -1,16 +1,19 @@
 """`KVEventPublisher` against a real ZMQ SUB and DEALER: the frames vllm-router reads (topic,
-8-byte big-endian seq, msgpack `[ts, events, 0]` with exactly the router's keys), one batch per
-loop turn, replay from a bounded ring, and sockets that close and never block."""
+8-byte big-endian seq, msgpack `[ts, events, 0]` with exactly the router's keys), a snapshot of
+the node for a subscriber that joins, one batch per loop turn (split past `MAX_EVENTS`),
+replay from a bounded ring, and sockets that close and never block."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.kv_events import KVEventPublisher, default_replay_endpoint
+from aioprefill.kv_events.publisher import MAX_EVENTS
 from tests.kv_events.util import Subscriber, endpoints
 
 B = 16
@@ -78,30 +81,64 @@ def test_replay_serves_the_kept_batches_from_the_asked_seq(pub, sub):
     assert pub.num_replays == 3
 
 
+async def next_message(s: Subscriber) -> None:
+    """Let the loop run (the relay hands it work) until the subscriber has a message."""
+    deadline = time.monotonic() + 10
+    while not s.sub.poll(0):
+        assert time.monotonic() < deadline, "nothing published"
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.asyncio
-async def test_one_batch_per_loop_turn():
+async def test_a_joining_subscriber_gets_the_node_then_one_batch_per_turn():
     ep, replay = endpoints()
     p = KVEventPublisher(ep, replay_endpoint=replay, block_tokens=B)
     p.start()
+    p.stored(0, [1, 2], None, tokens(2))
+    p.stored(1, [3], 2, tokens(1, 50))
+    p.stored(0, [9], None, tokens(1, 90))
+    await asyncio.sleep(0)  # flushed while nobody listens: a PUB drops it
+    before = p.seq
     s = Subscriber(p)
     try:
+        # the relay sees the subscription, the loop sends a snapshot (the first batch may
+        # also reach the subscriber if it joined before the relay forwarded it)
+        deadline = time.monotonic() + 10
+        while p.seq == before:
+            assert time.monotonic() < deadline, "no snapshot"
+            await asyncio.sleep(0.01)
+        got = []
+        while s.sub.poll(300):
+            got.append(s.recv())
+        _, seq, (_, events, _) = got[-1]
+        assert seq == p.seq - 1 and p.num_snapshots == 1 and p.num_subscribers == 1
+        assert events[0] == {"type": "AllBlocksCleared"}
+        chains = {tuple(e["block_hashes"]): e for e in events[1:]}
+        assert set(chains) == {(1, 2, 3), (9,)}  # one event per unbranched stretch
+        assert chains[(1, 2, 3)]["token_ids"] == tokens(2) + tokens(1, 50)
+        assert chains[(1, 2, 3)]["parent_block_hash"] is None
 
-        def flush_soon():
-            p.flush()  # join() runs inside the loop's turn: send what it published now
-
-        seq = s.join(p, flush=flush_soon)
-        p.stored(0, [1], None, tokens(1))
-        p.stored(1, [2], 1, tokens(1, 50))
-        p.removed(0, [1])  # only worker 0 held block 1: it leaves the node
+        p.stored(0, [4], 3, tokens(1, 60))
+        p.stored(1, [5], None, tokens(1, 70))
+        p.removed(0, [9])  # only worker 0 held block 9: it leaves the node
         assert s.pending() == 0  # nothing sent yet: the turn has not ended
-        await asyncio.sleep(0)
+        await next_message(s)
         _, got_seq, (_, events, _) = s.recv()
-        assert got_seq == seq
+        assert got_seq == seq + 1 and p.seq == seq + 2
         assert [e["type"] for e in events] == ["BlockStored", "BlockStored", "BlockRemoved"]
-        assert p.seq == seq + 1 and p.num_events >= 3
     finally:
         s.close()
         p.close()
+
+
+def test_a_large_flush_is_split_into_batches_the_router_takes(pub, sub):
+    seq = sub.join(pub)
+    for i in range(2 * MAX_EVENTS + 10):  # disjoint one-block chains
+        pub.stored(0, [i + 1], None, tokens(1, i))
+    assert sub.pending() == 2 * MAX_EVENTS + 10
+    pub.snapshot()  # AllBlocksCleared + every chain: 3 batches
+    sizes = [len(sub.recv()[2][1]) for _ in range(3)]
+    assert sizes == [MAX_EVENTS, MAX_EVENTS, 11] and pub.seq == seq + 2 * MAX_EVENTS + 13
 
 
 def test_a_subscriber_that_never_reads_does_not_block_the_publisher(pub, sub):

@@ -107,9 +107,9 @@ def test_requests_land_on_the_node_that_published_their_prefix(nodes):
         # fetched from A's replay socket when the next batch shows the gap in seq
         p3, h3 = c.prompt(3)
         p4, h4 = c.prompt(2)
-        real, a._pub = a._pub, _Lost()
+        real, a._out = a._out, _Lost()
         a.stored(0, h3, None, p3)
-        a._pub = real
+        a._out = real
         a.stored(0, h4, None, p4)
         assert c.landed(p3) == [4, 0]
         assert a.num_replays >= 1
