@@ -27,8 +27,9 @@ class Router:
         return ANSI.sub("", self.log.read_text(errors="replace"))
 
     def advanced(self, worker_url: str) -> bool:
-        """The router applied a batch from `worker_url`'s event source (its debug log)."""
-        return f"live sequence advanced source={worker_url} " in self.output()
+        """The router applied a batch from `worker_url`'s event source, live or replayed (its
+        debug log: with a replay source it asks for a replay as it starts)."""
+        return f"sequence advanced source={worker_url} " in self.output()
 
     def replays(self) -> int:
         return self.output().count("kv_index replay")

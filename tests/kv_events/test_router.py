@@ -1,16 +1,20 @@
 """vllm-router 0.1.17 `--policy kv_aware` reading `KVEventPublisher`s: two real
 `python -m aioprefill.serve --model sim` nodes behind it, token-id prompts. Each node's
-publisher here is driven by the test (the stand-in for its engine's block index): a request
-whose prefix a node published lands on that node; a block moved, a gap the router fills from
-the replay socket, and a node's restart (`AllBlocksCleared`) all move routing as they should;
-block size 32 routes when the router's `--kv-event-block-size` says 32."""
+publisher here runs on an event loop in a thread and is driven by the test (the stand-in for
+its engine's block index): a request whose prefix a node published lands on that node; a block
+moved, a gap the router fills from the replay socket, and a node's restart (`AllBlocksCleared`)
+all move routing as they should; a restarted router learns the cached blocks from the nodes'
+snapshots; block size 32 routes when the router's `--kv-event-block-size` says 32."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from typing import Any
 
 import httpx
 import pytest
@@ -33,37 +37,69 @@ def nodes() -> Iterator[list[Server]]:
         yield [stack.enter_context(serve("--model", "sim")) for _ in range(2)]
 
 
+class LoopThread:
+    """An event loop in a thread, standing in for each node's engine loop: the publishers
+    start on it (so they batch per turn and answer a joining router with a snapshot)."""
+
+    def __init__(self, stack: ExitStack) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        stack.callback(self.stop)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        async def call() -> Any:
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(30)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
 class Cluster:
-    def __init__(self, nodes: list[Server], block: int, stack: ExitStack, *flags: str) -> None:
-        self.nodes, self.block = nodes, block
+    def __init__(
+        self, nodes: list[Server], block: int, stack: ExitStack, *flags: str, ring: int = 64
+    ) -> None:
+        self.nodes, self.block, self.flags = nodes, block, flags
+        self.on_loop = LoopThread(stack)
         self.pubs = []
         for _ in nodes:
             ep, replay = endpoints()
-            pub = KVEventPublisher(ep, replay_endpoint=replay, block_tokens=block)
-            pub.start()
-            stack.callback(pub.close)
+            pub = KVEventPublisher(
+                ep, replay_endpoint=replay, block_tokens=block, ring_batches=ring
+            )
+            self.on_loop.run(pub.start)
+            stack.callback(self.on_loop.run, pub.close)
             self.pubs.append(pub)
-        urls = [n.url for n in nodes]
-        self.router: Router = stack.enter_context(
+        self.rng = random.Random(1234)
+        self.next_hash = 1
+        self.routers = ExitStack()
+        stack.callback(self.routers.close)
+        self.start_router()
+
+    def start_router(self) -> None:
+        """A fresh vllm-router (the previous one killed), once it has read every node (it asks
+        each for a replay as it starts, and each answers its subscription with a snapshot)."""
+        self.routers.close()
+        urls = [n.url for n in self.nodes]
+        self.router: Router = self.routers.enter_context(
             router(
-                urls, "kv_aware", *flags,
+                urls, "kv_aware", *self.flags,
                 sources={u: p.endpoint for u, p in zip(urls, self.pubs, strict=True)},
                 replays={u: p.replay_endpoint for u, p in zip(urls, self.pubs, strict=True)},
             )
         )  # fmt: skip
-        self.rng = random.Random(1234)
-        self.next_hash = 1
-        self.join()
-
-    def join(self) -> None:
-        """Heartbeats (AllBlocksCleared of an empty node) until the router has read each
-        publisher: a PUB drops what it sends before the SUB's connection is up."""
         deadline = time.monotonic() + 30
-        for node, pub in zip(self.nodes, self.pubs, strict=True):
+        for node in self.nodes:
             while not self.router.advanced(node.url):
                 assert time.monotonic() < deadline, self.router.output()[-4000:]
-                pub.cleared(999)
                 time.sleep(0.05)
+
+    def store(self, node: int, hashes: list[int], parent: int | None, tokens: list[int]) -> None:
+        self.on_loop.run(self.pubs[node].stored, 0, hashes, parent, tokens)
 
     def prompt(self, n_blocks: int) -> tuple[list[int], list[int]]:
         """(tokens of n full blocks, their hashes)."""
@@ -90,44 +126,66 @@ class Cluster:
 def test_requests_land_on_the_node_that_published_their_prefix(nodes):
     with ExitStack() as stack:
         c = Cluster(nodes, 16, stack)
-        a, b = c.pubs
+        a = c.pubs[0]
+        run = c.on_loop.run
         p1, h1 = c.prompt(3)
         p2, h2 = c.prompt(3)
-        a.stored(0, h1, None, p1)
-        b.stored(0, h2, None, p2)
+        c.store(0, h1, None, p1)
+        c.store(1, h2, None, p2)
         assert c.landed(p1) == [4, 0]
         assert c.landed(p2) == [0, 4]
 
         # the blocks move: evicted on A, stored on B
-        a.removed(0, h1)
-        b.stored(0, h1, None, p1)
+        run(a.removed, 0, h1)
+        c.store(1, h1, None, p1)
         assert c.landed(p1) == [0, 4]
 
         # a batch the router never got (dropped, as a PUB does past its high-water mark) is
         # fetched from A's replay socket when the next batch shows the gap in seq
         p3, h3 = c.prompt(3)
         p4, h4 = c.prompt(2)
-        real, a._out = a._out, _Lost()
-        a.stored(0, h3, None, p3)
-        a._out = real
-        a.stored(0, h4, None, p4)
+        run(lose_a_batch, a, h3, p3)
+        c.store(0, h4, None, p4)
         assert c.landed(p3) == [4, 0]
         assert a.num_replays >= 1
 
         # A restarts: AllBlocksCleared. B holds p4's first block only: before, A's two blocks
         # win; after, B's one
-        b.stored(0, h4[:1], None, p4[:16])
+        c.store(1, h4[:1], None, p4[:16])
         assert c.landed(p4) == [4, 0]
-        a.cleared(0)
+        run(a.cleared, 0)
         assert c.landed(p4) == [0, 4]
+
+
+def test_a_restarted_router_learns_the_cached_blocks_from_a_snapshot(nodes):
+    with ExitStack() as stack:
+        c = Cluster(nodes, 16, stack, ring=2)
+        p, h = c.prompt(3)
+        c.store(1, h, None, p)  # B holds 3 blocks
+        assert c.landed(p) == [0, 4]
+        for _ in range(3):  # B's replay ring (2 batches) forgets that store
+            other, oh = c.prompt(1)
+            c.store(1, oh, None, other)
+        c.start_router()  # knows B's blocks only from B's snapshot when it subscribed
+        c.store(0, h[:1], None, p[:16])  # A holds the first, announced live
+        assert c.landed(p) == [0, 4]  # without the snapshot: [4, 0]
+        assert all(pub.num_snapshots >= 2 for pub in c.pubs)
 
 
 def test_block_size_32_routes_when_the_router_is_told(nodes):
     with ExitStack() as stack:
         c = Cluster(nodes, 32, stack, "--kv-event-block-size", "32")
         p, h = c.prompt(2)
-        c.pubs[1].stored(0, h, None, p)
+        c.store(1, h, None, p)
         assert c.landed(p) == [0, 4]
+
+
+def lose_a_batch(pub: KVEventPublisher, hashes: list[int], tokens: list[int]) -> None:
+    """Store a chain whose batch goes into the replay ring but never onto the wire."""
+    real, pub._out = pub._out, _Lost()
+    pub.stored(0, hashes, None, tokens)
+    pub.flush()
+    pub._out = real
 
 
 class _Lost:
