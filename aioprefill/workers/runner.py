@@ -95,6 +95,10 @@ class ForwardOutput:
 
 
 class ModelRunner(Protocol):
+    """A worker's model. A runner with a prefix cache also has `cache_blocks` (its slots,
+    0..n-1) and `block_bytes` (bytes per slot), which the worker reports in `Ready`; one
+    without them reports 0 and is never sent cache reads or writes."""
+
     device: str
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput: ...
