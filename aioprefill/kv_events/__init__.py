@@ -3,6 +3,17 @@ vllm-router's `--policy kv_aware` sends each request to the node holding most of
 See docs/kv-events.md."""
 
 from aioprefill.kv_events.node import NodeBlocks
-from aioprefill.kv_events.publisher import KVEventPublisher, default_replay_endpoint
+from aioprefill.kv_events.publisher import (
+    KVEventPublisher,
+    NoKVEvents,
+    default_replay_endpoint,
+    kv_events_for,
+)
 
-__all__ = ["KVEventPublisher", "NodeBlocks", "default_replay_endpoint"]
+__all__ = [
+    "KVEventPublisher",
+    "NoKVEvents",
+    "NodeBlocks",
+    "default_replay_endpoint",
+    "kv_events_for",
+]

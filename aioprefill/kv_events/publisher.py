@@ -30,7 +30,13 @@ from aioprefill.kv_events.relay import STOP, BatchRing, Relay
 from aioprefill.kv_events.wire import AllBlocksCleared, Event, EventBatch, encode_batch, seq_bytes
 from aioprefill.optional import import_optional
 
-__all__ = ["MAX_EVENTS", "KVEventPublisher", "default_replay_endpoint"]
+__all__ = [
+    "MAX_EVENTS",
+    "KVEventPublisher",
+    "NoKVEvents",
+    "default_replay_endpoint",
+    "kv_events_for",
+]
 
 MAX_EVENTS = 1024  # per batch; vllm-router 0.1.17 drops a batch of more than 4096
 
@@ -39,6 +45,30 @@ def default_replay_endpoint(endpoint: str) -> str:
     """`tcp://HOST:PORT` -> `tcp://HOST:PORT+1`."""
     head, _, port = endpoint.rpartition(":")
     return f"{head}:{int(port) + 1}"
+
+
+class NoKVEvents:
+    """What an engine without `kv_events_endpoint` starts and closes: nothing."""
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def kv_events_for(config: Any, cache: Any) -> KVEventPublisher | NoKVEvents:
+    """The engine's publisher for `EngineConfig.kv_events_endpoint`, made the observer of its
+    prefix cache (`NoKVEvents` without an endpoint or a cache). Bound by `start()`."""
+    if config.kv_events_endpoint is None or cache is None:
+        return NoKVEvents()
+    pub = KVEventPublisher(
+        config.kv_events_endpoint,
+        replay_endpoint=config.kv_events_replay_endpoint,
+        block_tokens=config.prefix_block_tokens,
+    )
+    cache.observer = pub
+    return pub
 
 
 class KVEventPublisher:

@@ -55,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the address decode nodes reach this server at",
     )
     g.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=1 << 30,
+        help="prefix cache per worker, bytes of KV (0: off; SimModel counts 128 KiB a token)",
+    )
+    g.add_argument("--prefix-block-tokens", type=int, default=16, help="tokens per cached block")
+    g.add_argument(
         "--kv-events-endpoint",
         default=None,
         metavar="tcp://HOST:PORT",
@@ -121,6 +128,8 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
         max_pending=args.max_pending,
         max_prompt_tokens=args.max_prompt_tokens,
         tokenizer=args.tokenizer,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        prefix_block_tokens=args.prefix_block_tokens,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         **kv_transfer(args),
