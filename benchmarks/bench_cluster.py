@@ -144,7 +144,11 @@ def counters(url: str) -> dict[str, float]:
         for name in ("prefix_cache_hits", "prefix_cache_queries", "prefix_cache_evictions"):
             if line.startswith(f"aioprefill_{name}_total "):
                 out[name] = float(line.rsplit(" ", 1)[1])
-        if line.startswith("aioprefill_http_responses_total{") and 'status="200"' in line:
+        if (
+            line.startswith("aioprefill_http_responses_total{")
+            and "/v1/completions" in line
+            and 'status="200"' in line
+        ):
             out["answered"] = out.get("answered", 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
