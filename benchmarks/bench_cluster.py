@@ -10,7 +10,9 @@ a prompt's partial last block is scaled in proportion). The nodes are
 10.9 ms + 25.7 us per computed token; its 0.69 ns*len^2 attention term is left out, serve has
 no flag for it, and it is under 1% at these lengths). A cluster arm starts `--nodes` fresh
 nodes with `--node-cache-blocks` blocks of cache each behind a fresh vllm-router; the `single`
-arm one node with `nodes` times that cache, sent the requests directly. The hit ratio is the
+arm one node with `nodes` times that cache and `nodes` times the speed (the cost divided by
+`nodes`: the cluster's cache and compute in one node, so that it is not overloaded), sent the
+requests directly. The hit ratio is the
 nodes' own count (`aioprefill_prefix_cache_hits_total / _queries_total` on /metrics) over the
 arm, summed over nodes; TTFT is the client's request latency.
 
@@ -80,6 +82,8 @@ def load_trace(path: Path, n: int, id_tokens: int, speedup: float) -> list[tuple
 class Proc:
     """A child process killed by pid when the bench leaves (even on error)."""
 
+    url = ""
+
     def __init__(self, stack: ExitStack, args: list[str], name: str) -> None:
         self.log = Path(tempfile.mkstemp(prefix=f"bench-cluster-{name}-", suffix=".log")[1])
         with self.log.open("wb") as out:
@@ -92,6 +96,11 @@ class Proc:
             self.proc.kill()
         self.proc.wait()
         self.log.unlink(missing_ok=True)
+
+    def warnings(self) -> list[str]:
+        """Its log's WARN/ERROR lines (a router refusing event batches says so there)."""
+        text = self.log.read_text(errors="replace")
+        return [line for line in text.splitlines() if "WARN" in line or "ERROR" in line]
 
     def wait_http(self, url: str) -> None:
         deadline = time.monotonic() + 120
@@ -107,10 +116,13 @@ class Proc:
         raise SystemExit(f"{url} did not start:\n{self.log.read_text()[-3000:]}")
 
 
-def start_node(stack: ExitStack, cache_blocks: int, block: int, events: bool) -> dict:
+def start_node(
+    stack: ExitStack, cache_blocks: int, block: int, events: bool, speed: float = 1.0
+) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "aioprefill.serve", "--model", "sim", *GPU_CLASS,
+    cost = [f"{float(v) / speed:g}" if i % 2 else v for i, v in enumerate(GPU_CLASS)]
+    args = [sys.executable, "-m", "aioprefill.serve", "--model", "sim", *cost,
             "--port", str(port), "--prefix-block-tokens", str(block),
             "--prefix-cache-bytes", str(cache_blocks * block * KV_BYTES_PER_TOKEN)]  # fmt: skip
     node = {"url": url}
@@ -123,7 +135,7 @@ def start_node(stack: ExitStack, cache_blocks: int, block: int, events: bool) ->
     return node
 
 
-def start_router(stack: ExitStack, nodes: list[dict], policy: str, block: int) -> str:
+def start_router(stack: ExitStack, nodes: list[dict], policy: str, block: int) -> Proc:
     port = free_port()
     args = [str(ROUTER), "--worker-urls", *[n["url"] for n in nodes], "--host", "127.0.0.1",
             "--port", str(port), "--policy", policy, "--log-level", "warning",
@@ -133,9 +145,10 @@ def start_router(stack: ExitStack, nodes: list[dict], policy: str, block: int) -
         for n in nodes:
             args += ["--kv-event-source", f"{n['url']}={n['events']}"]
             args += ["--kv-event-replay-source", f"{n['url']}={n['replay']}"]
-    url = f"http://127.0.0.1:{port}"
-    Proc(stack, args, "router").wait_http(url)
-    return url
+    proc = Proc(stack, args, "router")
+    proc.url = f"http://127.0.0.1:{port}"
+    proc.wait_http(proc.url)
+    return proc
 
 
 def counters(url: str) -> dict[str, float]:
@@ -186,20 +199,25 @@ def run_arm(arm: str, requests: list, args: argparse.Namespace) -> dict:
         single = arm == "single"
         n = 1 if single else args.nodes
         blocks = args.node_cache_blocks * (args.nodes if single else 1)
-        nodes = [start_node(stack, blocks, args.block, arm == "kv_aware") for _ in range(n)]
+        speed = args.nodes if single else 1.0  # the single node: the cluster's cache and compute
+        nodes = [start_node(stack, blocks, args.block, arm == "kv_aware", speed) for _ in range(n)]
         for node in nodes:
             node["proc"].wait_http(node["url"])
-        url = nodes[0]["url"] if single else start_router(stack, nodes, arm, args.block)
+        router = None if single else start_router(stack, nodes, arm, args.block)
+        url = nodes[0]["url"] if router is None else router.url
         t0 = time.perf_counter()
         lat, failed = asyncio.run(replay(url, requests))
         wall = time.perf_counter() - t0
         per = [counters(node["url"]) for node in nodes]
+        warned = [w for w in router.warnings() if "kv" in w.lower()] if router else []
     hits = sum(p.get("prefix_cache_hits", 0) for p in per)
     queries = sum(p.get("prefix_cache_queries", 0) for p in per)
     return {"arm": arm, "hit_ratio": hits / queries if queries else 0.0, "hit_tokens": hits,
             "queried_tokens": queries, "ttft_mean_ms": 1e3 * statistics.mean(lat),
             "ttft_p99_ms": 1e3 * float(np.percentile(lat, 99)), "failed": failed,
-            "per_node": [int(p.get("answered", 0)) for p in per], "wall_s": wall}  # fmt: skip
+            "per_node": [int(p.get("answered", 0)) for p in per], "wall_s": wall,
+            "router_kv_warnings": warned[:5], "evictions": sum(p.get("prefix_cache_evictions", 0)
+            for p in per)}  # fmt: skip
 
 
 def main() -> None:
@@ -225,6 +243,8 @@ def main() -> None:
         print(f"{arm:<12} hit {r['hit_ratio']:.3f}  TTFT mean {r['ttft_mean_ms']:.1f} ms "
               f"p99 {r['ttft_p99_ms']:.1f} ms  failed {r['failed']}  per node {r['per_node']}"
               f"  ({r['wall_s']:.0f} s)", flush=True)  # fmt: skip
+        for w in r["router_kv_warnings"]:
+            print("  router:", w[-200:])
     single = next((r for r in rows if r["arm"] == "single"), None)
     if single and single["hit_ratio"]:
         for r in rows:
