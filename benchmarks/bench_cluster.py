@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -66,6 +67,46 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+def offline_hit_ratio(
+    requests: list[tuple[float, list[int]]], nodes: int, capacity: int, block: int, rule: str
+) -> float:
+    """The hit ratio of `nodes` LRU caches of `capacity` blocks each over `requests` in order
+    (a request reads at most `(n - 1) // block` blocks and stores its full blocks, as the
+    engine does), routed `rr` (round-robin) or `best` (to the node holding the longest prefix,
+    ties to the node with fewest requests): what a router could reach, no load in sight."""
+    caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(nodes)]
+    sent = [0] * nodes
+    hit = total = 0
+    for i, (_, tokens) in enumerate(requests):
+        keys, key = [], 0
+        for k in range(len(tokens) // block):  # a chained key per full block, as the engine's
+            key = hash((key, tuple(tokens[k * block : (k + 1) * block])))
+            keys.append(key)
+        readable = (len(tokens) - 1) // block
+        if rule == "rr":
+            w = i % nodes
+        else:
+            got = [_cached(c, keys, readable) for c in caches]
+            w = min(range(nodes), key=lambda j: (-got[j], sent[j]))
+        cache = caches[w]
+        sent[w] += 1
+        hit += _cached(cache, keys, readable) * block
+        total += len(tokens)
+        for key in keys:
+            cache[key] = None
+            cache.move_to_end(key)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return hit / total
+
+
+def _cached(cache: OrderedDict[int, None], keys: list[int], readable: int) -> int:
+    k = 0
+    while k < readable and keys[k] in cache:
+        k += 1
+    return k
 
 
 def load_trace(path: Path, n: int, id_tokens: int, speedup: float) -> list[tuple[float, list[int]]]:
@@ -247,14 +288,22 @@ def main() -> None:
     ap.add_argument("--node-cache-blocks", type=int, default=2200)
     ap.add_argument("--arms", default="kv_aware@0.01,kv_aware,round_robin,cache_aware,single")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--offline", action="store_true", help="also print offline LRU ceilings")
     args = ap.parse_args()
     requests = load_trace(args.trace, args.requests, args.id_tokens, args.speedup)
     tokens = sum(len(t) for _, t in requests)
     print(f"{len(requests)} requests, {tokens} prompt tokens, {requests[-1][0]:.0f} s of arrivals;"
           f" {args.nodes} nodes x {args.node_cache_blocks} blocks of {args.block} tokens "
           f"(single: 1 x {args.nodes * args.node_cache_blocks})", flush=True)  # fmt: skip
+    if args.offline:
+        cap = args.node_cache_blocks
+        single = offline_hit_ratio(requests, 1, cap * args.nodes, args.block, "best")
+        best = offline_hit_ratio(requests, args.nodes, cap, args.block, "best")
+        rr = offline_hit_ratio(requests, args.nodes, cap, args.block, "rr")
+        print(f"offline LRU: single {single:.3f}, {args.nodes} nodes longest-prefix {best:.3f}, "
+              f"round-robin {rr:.3f}", flush=True)  # fmt: skip
     rows = []
-    for arm in args.arms.split(","):
+    for arm in filter(None, args.arms.split(",")):
         rows.append(r := run_arm(arm, requests, args))
         print(f"{arm:<15} hit {r['hit_ratio']:.3f}  TTFT mean {r['ttft_mean_ms']:.1f} ms "
               f"p99 {r['ttft_p99_ms']:.1f} ms  failed {r['failed']}  per node {r['per_node']}"
