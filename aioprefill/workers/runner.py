@@ -13,6 +13,10 @@ Output options ride along per request (`options`: `OPT_*` bits from `aioprefill.
 - with `OPT_PROMPT_TOP_K` besides, the request's `top_k` best tokens at each of those positions
   (ids and log-probabilities, `top_k` values per prompt logprob, best first);
 - top-k, embeddings and the KV export: once, with the chunk that ends the prompt.
+
+A chunk that reads prefix cache slots (`read_*`) is its prompt's first chunk computed and
+answers as one: its prompt log-probabilities (and prompt top-k) start at position 1, and its
+embeddings and KV export cover the cached positions too, as for the whole prompt.
 """
 
 from __future__ import annotations

@@ -180,6 +180,13 @@ class SimRunner:
         self._partial: dict[int, _State] = {}  # request id -> state after its chunks so far
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        try:
+            return self._forward(batch)
+        except BaseException:
+            self._blocks.invalidate(batch.write_slots)  # it may have written none of them
+            raise
+
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         seq_lens = batch.seq_lens()
         self._inject_faults(batch.tokens)
         cached = None

@@ -1,5 +1,9 @@
 """The prefix cache slots of a `SimRunner` (see `aioprefill.workers.sim`): per slot, its
-block's token ids and the CRC32 of the prompt up to the block's end, in place of KV."""
+block's token ids and the CRC32 of the prompt up to the block's end, in place of KV.
+
+A slot is valid once written; the slots a failed forward was to write are invalidated (it may
+have written none of them), and reading an invalid slot raises, so the batch fails rather than
+answer from a block that was never stored."""
 
 from __future__ import annotations
 
@@ -15,14 +19,23 @@ class SimBlocks:
     def __init__(self, num_blocks: int, block_tokens: int) -> None:
         self.tokens = np.empty((num_blocks, block_tokens), dtype=np.int32)
         self.crc = np.empty(num_blocks, dtype=np.uint32)
+        self.valid = np.zeros(num_blocks, dtype=bool)
 
     def read(self, slots: np.ndarray) -> tuple[np.ndarray, int]:
         """(the blocks' tokens back to back, the CRC32 after the last)."""
+        if not self.valid[slots].all():
+            raise RuntimeError(f"prefix cache slots {slots.tolist()} read but never stored")
         return self.tokens[slots].reshape(-1), int(self.crc[slots[-1]])
 
     def write(self, slot: int, tokens: np.ndarray, crc: int) -> None:
         self.tokens[slot] = tokens
         self.crc[slot] = crc
+        self.valid[slot] = True
+
+    def invalidate(self, slots: np.ndarray | None) -> None:
+        """A forward that was to write these slots failed."""
+        if slots is not None and len(slots):
+            self.valid[slots] = False
 
 
 _NO_SLOTS = np.empty(0, dtype=np.int32)
