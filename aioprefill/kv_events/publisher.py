@@ -174,7 +174,8 @@ class KVEventPublisher:
     def stored(
         self, worker: int, hashes: Sequence[int], parent_hash: int | None, token_ids: Sequence[int]
     ) -> None:
-        """`worker` holds the chain `hashes` (its first block's parent: `parent_hash`)."""
+        """`worker` holds the chain `hashes` (its first block's parent: `parent_hash`). The
+        publisher keeps `token_ids` (a snapshot reads it later): pass a list nobody mutates."""
         self._add(self.blocks.stored(worker, hashes, parent_hash, token_ids))
 
     def removed(self, worker: int, hashes: Sequence[int]) -> None:

@@ -31,8 +31,16 @@ class Router:
         debug log: with a replay source it asks for a replay as it starts)."""
         return f"sequence advanced source={worker_url} " in self.output()
 
-    def replays(self) -> int:
-        return self.output().count("kv_index replay")
+    def applied(self, worker_url: str) -> int:
+        """How many batches from `worker_url`'s source the router has applied so far."""
+        return self.output().count(f"sequence advanced source={worker_url} ")
+
+    def wait_applied(self, worker_url: str, more_than: int) -> None:
+        """Until the router has applied more than `more_than` batches from `worker_url`."""
+        deadline = time.monotonic() + 30
+        while self.applied(worker_url) <= more_than:
+            assert time.monotonic() < deadline, self.output()[-4000:]
+            time.sleep(0.02)
 
 
 @contextmanager

@@ -98,8 +98,16 @@ class Cluster:
                 assert time.monotonic() < deadline, self.router.output()[-4000:]
                 time.sleep(0.05)
 
+    def publish(self, node: int, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the publishers' loop, then wait until the router applied the
+        batch(es) it sent."""
+        url = self.nodes[node].url
+        before = self.router.applied(url)
+        self.on_loop.run(fn, *args)
+        self.router.wait_applied(url, before)
+
     def store(self, node: int, hashes: list[int], parent: int | None, tokens: list[int]) -> None:
-        self.on_loop.run(self.pubs[node].stored, 0, hashes, parent, tokens)
+        self.publish(node, self.pubs[node].stored, 0, hashes, parent, tokens)
 
     def prompt(self, n_blocks: int) -> tuple[list[int], list[int]]:
         """(tokens of n full blocks, their hashes)."""
@@ -112,7 +120,6 @@ class Cluster:
         """Send `n` requests sharing the prefix `tokens` through the router; how many each
         node answered."""
         before = [answered(node.url) for node in self.nodes]
-        time.sleep(0.3)  # let the router's subscriber apply what was just published
         for i in range(n):
             r = httpx.post(
                 self.router.url + "/v1/completions",
@@ -136,7 +143,7 @@ def test_requests_land_on_the_node_that_published_their_prefix(nodes):
         assert c.landed(p2) == [0, 4]
 
         # the blocks move: evicted on A, stored on B
-        run(a.removed, 0, h1)
+        c.publish(0, a.removed, 0, h1)
         c.store(1, h1, None, p1)
         assert c.landed(p1) == [0, 4]
 
@@ -145,7 +152,7 @@ def test_requests_land_on_the_node_that_published_their_prefix(nodes):
         p3, h3 = c.prompt(3)
         p4, h4 = c.prompt(2)
         run(lose_a_batch, a, h3, p3)
-        c.store(0, h4, None, p4)
+        c.store(0, h4, None, p4)  # applied after the replay of the lost one
         assert c.landed(p3) == [4, 0]
         assert a.num_replays >= 1
 
@@ -153,7 +160,7 @@ def test_requests_land_on_the_node_that_published_their_prefix(nodes):
         # win; after, B's one
         c.store(1, h4[:1], None, p4[:16])
         assert c.landed(p4) == [4, 0]
-        run(a.cleared, 0)
+        c.publish(0, a.cleared, 0)
         assert c.landed(p4) == [0, 4]
 
 

@@ -11,7 +11,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 import httpx
@@ -79,9 +79,15 @@ def start_router(stack: ExitStack, nodes: list[Node]) -> Router:
     return r
 
 
+def published(r: Router, node: Node, action: Callable[[], object]) -> None:
+    """Do `action` (which makes `node` publish), then wait until the router applied it."""
+    before = r.applied(node.url)
+    action()
+    r.wait_applied(node.url, before)
+
+
 def landed(r: Router, nodes: list[Node], prefix: list[int], n: int = 4) -> list[int]:
     before = [answered(node.url) for node in nodes]
-    time.sleep(0.3)  # let the router apply what the nodes just published
     for i in range(n):
         resp = httpx.post(
             r.url + "/v1/completions",
@@ -104,8 +110,8 @@ def test_a_prefix_routes_to_the_node_that_computed_it(nodes):
     with ExitStack() as stack:
         r = start_router(stack, nodes)
         p, q = prompt(3), prompt(3)
-        a.complete([*p, 1])  # A computes and caches p's 3 blocks, and publishes them
-        b.complete([*q, 1])
+        published(r, a, lambda: a.complete([*p, 1]))  # A computes, caches, publishes p
+        published(r, b, lambda: b.complete([*q, 1]))
         hits = a.metric("prefix_cache_hits_total")
         assert landed(r, nodes, p) == [4, 0]
         assert a.metric("prefix_cache_hits_total") - hits == 4 * 3 * B  # read, not computed
@@ -135,7 +141,8 @@ def test_a_killed_worker_withdraws_its_nodes_blocks(nodes):
         r = start_router(stack, nodes)
         assert landed(r, nodes, p) == [0, 4]
         pids = b.worker_pids()
-        os.kill(pids[0], signal.SIGKILL)  # B's engine restarts it, its cache empty
+        # B's engine restarts the worker, its cache empty: AllBlocksCleared
+        published(r, b, lambda: os.kill(pids[0], signal.SIGKILL))
         assert gone(pids)
         deadline = time.monotonic() + 60
         while b.worker_pids() == pids or b.metric("prefix_cache_blocks") != 0:
