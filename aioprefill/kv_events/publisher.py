@@ -158,9 +158,11 @@ class KVEventPublisher:
         self._add([AllBlocksCleared()])
 
     def close(self) -> None:
-        """Send what is pending, stop the relay thread, close every socket."""
+        """Send what is pending and a last `AllBlocksCleared` (the workers are gone), stop the
+        relay thread (it gives the last batches up to 100 ms to leave), close every socket."""
         if self._out is None:
             return
+        self._pending.append(AllBlocksCleared())
         self.flush()
         self._out.send(STOP)
         if self._relay is not None:

@@ -80,6 +80,7 @@ class Relay(threading.Thread):
                 if self.replay in ready:
                     self._replays()
         finally:
+            self.xpub.setsockopt(zmq.LINGER, 100)  # the last batches may still leave
             for sock in (self.inbox, self.xpub, self.replay):
                 sock.close()
 

@@ -148,6 +148,24 @@ def test_a_subscriber_that_never_reads_does_not_block_the_publisher(pub, sub):
     assert pub.seq > 20_000 and pub.num_dropped == 0
 
 
+def test_closing_tells_subscribers_the_node_holds_nothing():
+    ep, replay = endpoints()
+    p = KVEventPublisher(ep, replay_endpoint=replay, block_tokens=B)
+    p.start()
+    s = Subscriber(p)
+    try:
+        s.join(p)
+        p.stored(0, [1], None, tokens(1))
+        p.close()
+        _, _, (_, events, _) = s.recv()
+        assert events[0]["type"] == "BlockStored"
+        _, _, (_, events, _) = s.recv()
+        assert events == [{"type": "AllBlocksCleared"}]
+    finally:
+        p.close()
+        s.close()
+
+
 def test_close_unbinds_and_stops_the_replay_thread():
     ep, replay = endpoints()
     before = threading.active_count()
