@@ -13,6 +13,7 @@ from aioprefill.checks import finite_nonneg as _finite_nonneg
 from aioprefill.checks import positive_int as _positive_int
 from aioprefill.checks import require as _require
 from aioprefill.models import ARCHITECTURES, ROPE_TYPES, ModelSpec, PaddleModel, SimModel
+from aioprefill.optional import import_optional
 from aioprefill.parallel import check_parallel
 from aioprefill.text import resolve_tokenizer
 from aioprefill.tokenizer import Tokenizer
@@ -65,6 +66,31 @@ def _check_kv_transfer(kind: object, options: object) -> None:
         load_mooncake()
 
 
+def _check_endpoint(value: object, name: str) -> None:
+    head, _, port = str(value).rpartition(":")
+    _require(
+        isinstance(value, str)
+        and value.startswith("tcp://")
+        and len(head) > len("tcp://")
+        and port.isdigit()
+        and 0 < int(port) < 65536,
+        name,
+        f"must be 'tcp://HOST:PORT' (HOST may be * to bind every address); got {value!r}",
+    )
+
+
+def _check_kv_events(endpoint: object, replay: object) -> None:
+    if endpoint is None:
+        _require(
+            replay is None, "EngineConfig.kv_events_replay_endpoint", "needs kv_events_endpoint"
+        )
+        return
+    _check_endpoint(endpoint, "EngineConfig.kv_events_endpoint")
+    if replay is not None:
+        _check_endpoint(replay, "EngineConfig.kv_events_replay_endpoint")
+    import_optional("zmq", "events")  # InvalidConfig naming the extra when pyzmq is missing
+
+
 @dataclass(slots=True, kw_only=True)
 class EngineConfig:
     """Everything an `Engine` needs. Validated once, here; bad fields raise `InvalidConfig`."""
@@ -114,6 +140,11 @@ class EngineConfig:
     # (touched as used, so memory grows with use); 0 turns it off. docs/prefix-cache.md.
     prefix_cache_bytes: int = 1 << 30
     prefix_block_tokens: int = 16
+    # "tcp://HOST:PORT": publish the prefix cache's blocks there as vLLM KV events (ZMQ PUB)
+    # for vllm-router's --policy kv_aware; a replay of recent ones is served on
+    # kv_events_replay_endpoint (None: the same host, PORT + 1). See docs/kv-events.md.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -183,6 +214,12 @@ class EngineConfig:
             self.prefix_block_tokens <= 4096,
             "EngineConfig.prefix_block_tokens",
             f"must be at most 4096, got {self.prefix_block_tokens}",
+        )
+        _check_kv_events(self.kv_events_endpoint, self.kv_events_replay_endpoint)
+        _require(
+            self.kv_events_endpoint is None or self.prefix_cache_bytes > 0,
+            "EngineConfig.kv_events_endpoint",
+            "publishes the prefix cache's blocks: needs prefix_cache_bytes > 0",
         )
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")

@@ -15,7 +15,7 @@ import concurrent.futures
 import enum
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from aioprefill.affinity import LoopAffinity
 from aioprefill.errors import AioprefillError, EngineClosed
@@ -146,8 +146,17 @@ class EngineControls:
     _life: Lifecycle
     _pool: WorkerPool
     _sched: Scheduler
-    if TYPE_CHECKING:
-        prefill: Callable[..., Coroutine[Any, Any, PrefillResult]]  # Engine's
+    if TYPE_CHECKING:  # Engine's
+        prefill: Callable[..., Coroutine[Any, Any, PrefillResult]]
+        start: Callable[[], Coroutine[Any, Any, None]]
+        close: Callable[..., Coroutine[Any, Any, None]]
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        await self.close(drain=exc_type is None)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -24,6 +24,7 @@ from aioprefill.controls import EngineControls, Lifecycle
 from aioprefill.core import Budget, InFlightBatch, Request
 from aioprefill.errors import AioprefillError, EngineClosed, EngineOverloaded, WorkerStartFailed
 from aioprefill.kv import KVExports
+from aioprefill.kv_events import kv_events_for
 from aioprefill.outcomes import Outcomes, tagged
 from aioprefill.outputs import parse_outputs
 from aioprefill.policies import policy_class
@@ -68,6 +69,7 @@ class Engine(EngineControls):
         policy = policy_class(config.policy, expert_parallel=config.expert_parallel)
         cache = prefix_cache_for(config, self._pool.slots)  # what every group's cache holds
         self._sched = Scheduler(budget, staging=policy.staging, cache=cache)
+        self._events = kv_events_for(config, cache)  # vllm-router's KV events
         transfer = TransferRegistry(config.kv_transfer_options) if config.kv_transfer else None
         self._kv = KVExports(config.model, config.max_kv_export_bytes, transfer)
         self._outcomes = Outcomes(self._sched, self._pool.free_later, self._stats, self._kv)
@@ -80,21 +82,16 @@ class Engine(EngineControls):
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    async def __aenter__(self) -> Engine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
-        await self.close(drain=exc_type is None)
-
     async def start(self) -> None:
         """Start every worker and wait until each reports ready."""
         self._life.starting(self._affinity.bind())
         self._timer.loop = self._life.loop
         cleanup_stale_segments()
         try:
+            self._events.start()  # binds first: a taken address fails the start at once
             await self._pool.start()
         except BaseException:
+            self._events.close()
             self._life.started(ok=False)
             raise
         self._life.started(ok=True)
@@ -114,6 +111,7 @@ class Engine(EngineControls):
                 await asyncio.wait_for(self._life.idle(), self.config.shutdown_timeout_s)
         self._fail_everything(EngineClosed("engine closed before this request finished"))
         await self._pool.close(timeout=5.0)
+        self._events.close()
         self._kv.close_all()
         self._timer.cancel()
         self._life.closed()

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("pool", ["pool"]),
-    ("engine", ["health", "controls", "loop", "metrics", "bench", ""]),
+    ("engine", ["health", "controls", "loop", "metrics", "bench", "kv_events", ""]),
     ("server", ["serve"]),
 ]
 

@@ -78,6 +78,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="127.0.0.1",
         help="the address decode nodes reach this server at",
     )
+    g.add_argument("--prefix-block-tokens", type=int, default=16, help="tokens per cached block")
+    g.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish prefix-cache blocks as vLLM KV events (vllm-router --policy kv_aware)",
+    )
+    g.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="serve replays of recent KV events here (default: the events port + 1)",
+    )
     g = p.add_argument_group("authentication")
     g.add_argument(
         "--api-key",
@@ -186,6 +199,9 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
         max_pending=args.max_pending,
         max_prompt_tokens=args.max_prompt_tokens,
         tokenizer=args.tokenizer,
+        prefix_block_tokens=args.prefix_block_tokens,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         **kv_transfer(args),
         **(
             {}

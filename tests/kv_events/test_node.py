@@ -1,0 +1,151 @@
+"""`NodeBlocks`: per-worker stores, evictions and restarts become the events that keep a
+subscriber's view of the node's union exact (plain lists, no sockets)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from aioprefill.kv_events import NodeBlocks
+from aioprefill.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+
+B = 4
+
+
+def toks(*blocks: int) -> list[int]:
+    return [t for b in blocks for t in range(b * 100, b * 100 + B)]
+
+
+def test_a_chain_new_to_the_node_is_one_event_with_its_tokens():
+    node = NodeBlocks(B)
+    (ev,) = node.stored(0, [1, 2, 3], None, toks(1, 2, 3))
+    assert ev == BlockStored([1, 2, 3], None, toks(1, 2, 3), B, None, "GPU", None)
+    assert len(node) == 3
+
+
+def test_blocks_another_worker_holds_are_not_announced_again():
+    node = NodeBlocks(B)
+    node.stored(0, [1, 2], None, toks(1, 2))
+    # worker 1 stores 1, 2 (already on the node) and 5 (new): only 5, linked to 2
+    assert node.stored(1, [1, 2, 5], None, toks(1, 2, 5)) == [
+        BlockStored([5], 2, toks(5), B, None, "GPU", None)
+    ]
+    # a gap in the middle: two runs, each with its own parent
+    node.stored(0, [7], 5, toks(7))
+    assert node.stored(1, [6, 7, 8], 5, toks(6, 7, 8)) == [
+        BlockStored([6], 5, toks(6), B, None, "GPU", None),
+        BlockStored([8], 7, toks(8), B, None, "GPU", None),
+    ]
+
+
+def test_a_block_leaves_the_node_with_its_last_holder():
+    node = NodeBlocks(B)
+    node.stored(0, [1, 2], None, toks(1, 2))
+    node.stored(1, [1, 2], None, toks(1, 2))
+    assert node.removed(0, [2]) == []
+    assert node.removed(1, [2, 99]) == [BlockRemoved([2], "GPU")]  # 99: never held
+    assert node.removed(7, [1]) == []  # a worker that holds nothing
+    assert node.holds(1) and not node.holds(2)
+
+
+def test_a_restart_withdraws_only_what_no_other_worker_holds():
+    node = NodeBlocks(B)
+    node.stored(0, [1, 2], None, toks(1, 2))
+    node.stored(1, [1, 3], None, toks(1, 3))
+    assert node.cleared(0) == [BlockRemoved([2], "GPU")]
+    assert node.cleared(1) == [AllBlocksCleared()]  # nothing left on the node
+    assert len(node) == 0
+    assert node.cleared(5) == [AllBlocksCleared()]  # idempotent
+
+
+def test_hashes_are_sent_as_unsigned_64_bit():
+    node = NodeBlocks(B)
+    (ev,) = node.stored(0, [-1], -2, toks(1))
+    assert isinstance(ev, BlockStored)
+    assert ev.block_hashes == [2**64 - 1] and ev.parent_block_hash == 2**64 - 2
+    assert node.holds(-1) and node.removed(0, [2**64 - 1]) == [BlockRemoved([2**64 - 1], "GPU")]
+
+
+def test_token_ids_must_fill_the_blocks():
+    with pytest.raises(ValueError, match="need 8 token ids"):
+        NodeBlocks(B).stored(0, [1, 2], None, list(range(7)))
+
+
+def test_random_histories_keep_the_announced_view_equal_to_the_union():
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    node = NodeBlocks(B)
+    truth: dict[int, set[int]] = {w: set() for w in range(3)}
+    view: set[int] = set()
+    for _ in range(2000):
+        w = rng.randrange(3)
+        op = rng.random()
+        if op < 0.5:
+            hashes = rng.sample(range(40), rng.randrange(1, 6))
+            events = node.stored(w, hashes, None, toks(*hashes))
+            truth[w].update(hashes)
+        elif op < 0.95:
+            hashes = rng.sample(range(40), rng.randrange(1, 6))
+            events = node.removed(w, hashes)
+            truth[w].difference_update(hashes)
+        else:
+            events = node.cleared(w)
+            truth[w].clear()
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                assert not view & set(ev.block_hashes)
+                view.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                assert set(ev.block_hashes) <= view
+                view.difference_update(ev.block_hashes)
+            else:
+                view.clear()
+        assert view == set().union(*truth.values())
+
+
+def test_a_snapshot_is_the_union_with_parents_first_and_tokens_kept():
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    node = NodeBlocks(B)
+    tokens_of: dict[int, list[int]] = {}
+    next_hash = 1
+    chains: list[list[int]] = []
+    for _ in range(300):
+        w = rng.randrange(3)
+        if chains and rng.random() < 0.4:  # extend or branch an existing chain
+            base = rng.choice(chains)
+            prefix = base[: rng.randrange(1, len(base) + 1)]
+        else:
+            prefix = []
+        new = list(range(next_hash, next_hash + rng.randrange(1, 4)))
+        next_hash += len(new)
+        for h in new:
+            tokens_of[h] = [rng.randrange(1, 30000) for _ in range(B)]
+        chain = prefix + new
+        chains.append(chain)
+        node.stored(w, chain, None, [t for h in chain for t in tokens_of[h]])
+        if rng.random() < 0.3:
+            node.removed(rng.randrange(3), rng.sample(chain, 1))
+    parents = {}
+    for chain in chains:
+        for parent, h in zip([None, *chain], chain, strict=False):
+            parents[h] = parent
+    seen: set[int] = set()
+    for ev in node.snapshot():
+        assert isinstance(ev, BlockStored)
+        first = ev.block_hashes[0]
+        assert ev.parent_block_hash == parents[first]
+        assert (
+            ev.parent_block_hash is None
+            or ev.parent_block_hash in seen
+            or not node.holds(ev.parent_block_hash)
+        )
+        for prev, h in zip([ev.parent_block_hash, *ev.block_hashes], ev.block_hashes, strict=False):
+            assert parents[h] == prev
+        assert ev.token_ids == [t for h in ev.block_hashes for t in tokens_of[h]]
+        assert not seen & set(ev.block_hashes)
+        seen.update(ev.block_hashes)
+    assert seen == {h for h in parents if node.holds(h)} and len(seen) == len(node)
