@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from aioprefill.checks import finite_nonneg as _finite_nonneg
 from aioprefill.checks import positive_int as _positive_int
 from aioprefill.checks import require as _require
+from aioprefill.kvstore.options import KV_STORE_BACKENDS, KVStoreOptions
 from aioprefill.models import ARCHITECTURES, ROPE_TYPES, ModelSpec, PaddleModel, SimModel
 from aioprefill.parallel import check_parallel
 from aioprefill.text import resolve_tokenizer
@@ -65,6 +66,23 @@ def _check_kv_transfer(kind: object, options: object) -> None:
         load_mooncake()
 
 
+def _check_kv_store(kind: object, options: object) -> None:
+    _require(
+        kind is None or kind in KV_STORE_BACKENDS,
+        "EngineConfig.kv_store",
+        f"must be None or one of {', '.join(KV_STORE_BACKENDS)}; got {kind!r}",
+    )
+    _require(
+        isinstance(options, KVStoreOptions),
+        "EngineConfig.kv_store_options",
+        f"must be aioprefill.KVStoreOptions(...), got {type(options).__name__}",
+    )
+    if kind is not None:  # InvalidConfig naming the extra (and libibverbs1) when missing
+        from aioprefill.kvstore.backend import load_store
+
+        load_store()
+
+
 @dataclass(slots=True, kw_only=True)
 class EngineConfig:
     """Everything an `Engine` needs. Validated once, here; bad fields raise `InvalidConfig`."""
@@ -109,6 +127,10 @@ class EngineConfig:
     # `kv.transfer_params()` tells a decode node how to pull it (aioprefill.transfer).
     kv_transfer: str | None = None
     kv_transfer_options: TransferOptions = field(default_factory=TransferOptions)
+    # "mooncake": a Mooncake Store is the prefix cache's second tier, shared by every worker
+    # of every engine that names the same master (aioprefill.kvstore, docs/kv-store.md).
+    kv_store: str | None = None
+    kv_store_options: KVStoreOptions = field(default_factory=KVStoreOptions)
 
     def __post_init__(self) -> None:
         _require(
@@ -172,6 +194,7 @@ class EngineConfig:
         )
         _positive_int(self.max_kv_export_bytes, "EngineConfig.max_kv_export_bytes", allow_zero=True)
         _check_kv_transfer(self.kv_transfer, self.kv_transfer_options)
+        _check_kv_store(self.kv_store, self.kv_store_options)
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(

@@ -1,0 +1,109 @@
+"""`StoreTier`: the Mooncake Store behind one worker's (one rank's) prefix cache, as the worker
+sees it: `offer` the blocks it wrote (put in the background), `load` a chain into its slots
+(checked, within a deadline), `load_pays` (the cost rule), `stats`.
+
+Memory, allocated once here: the put buffer and the load buffer (`KVStoreOptions`), both
+registered with the client so puts and gets are zero-copy; plus the segment the client lends
+to the store. Threads: "kvstore-put" (connects, reconnects, puts) and "kvstore-load".
+Nothing here raises for a store fault: the worker computes instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from aioprefill.kvstore.cost import ForwardClock, load_pays
+from aioprefill.kvstore.identity import StoreIdentity
+from aioprefill.kvstore.link import StoreLink
+from aioprefill.kvstore.loads import Chain, Loader
+from aioprefill.kvstore.options import KVStoreOptions
+from aioprefill.kvstore.puts import PutQueue
+from aioprefill.kvstore.stats import StoreStats
+from aioprefill.kvstore.value import ValueCodec
+
+__all__ = ["StoreTier"]
+
+
+class StoreTier:
+    """The store tier of one worker. `payload_bytes`: one cache slot's bytes (what a block
+    store's `parts` for one block add up to). `seconds_per_token`: the first guess of the
+    worker's compute time per token, refined by `record_forward`."""
+
+    def __init__(
+        self,
+        options: KVStoreOptions,
+        identity: StoreIdentity,
+        payload_bytes: int,
+        seconds_per_token: float = 1e-3,
+    ) -> None:
+        self.options = options
+        self.identity = identity
+        self.codec = ValueCodec(
+            identity.digest, identity.block_tokens, payload_bytes, options.secret
+        )
+        self.stats = StoreStats()
+        self.clock = ForwardClock(seconds_per_token)
+        put_buf = np.zeros(options.put_buffer_bytes, dtype=np.uint8)
+        load_buf = np.zeros(options.load_buffer_bytes, dtype=np.uint8)
+        self.link = StoreLink(options, [put_buf, load_buf])
+        self.puts = PutQueue(self.link, identity, self.codec, put_buf, self.stats)
+        self.loader = Loader(self.link, identity, self.codec, load_buf, self.stats)
+        self.started = False
+
+    @property
+    def value_bytes(self) -> int:
+        return self.codec.value_bytes
+
+    def start(self) -> None:
+        """Start both threads; the put thread connects in the background (`is_up`)."""
+        self.puts.start()
+        self.loader.start()
+        self.started = True
+
+    def is_up(self) -> bool:
+        return self.link.up.is_set()
+
+    def wait_up(self, timeout: float) -> bool:
+        """Block until the link is up (tests and benchmarks; the worker never waits)."""
+        return self.link.up.wait(timeout)
+
+    def offer(self, block_hash: int, parent: int, tokens: np.ndarray, parts: Sequence[Any]) -> bool:
+        """Stage a written block for a put (copied now); False when it will not be put."""
+        return self.puts.offer(block_hash, parent, tokens, parts)
+
+    def load_pays(self, num_blocks: int) -> bool:
+        """The cost rule (`kvstore.cost`) for a chain of `num_blocks`, at this worker's speed."""
+        o = self.options
+        return load_pays(
+            num_blocks,
+            self.codec.value_bytes,
+            self.identity.block_tokens,
+            self.clock.seconds_per_token,
+            o.read_bytes_per_s,
+            o.read_latency_s,
+        )
+
+    def load(
+        self, chain: Chain, parent: int | None, sink: Callable[[int, memoryview], None]
+    ) -> int:
+        """Load the longest good prefix of `chain` (at most `loader.capacity` blocks) when the
+        cost rule says so; `sink(i, payload)` copies block i into its slot. Returns how many
+        blocks were handed over; the caller computes the rest."""
+        if not self.load_pays(min(len(chain), self.loader.capacity)):
+            self.stats.loads_skipped += 1
+            return 0
+        return self.loader.load(chain, parent, sink)
+
+    def record_forward(self, seconds: float, computed_tokens: int) -> None:
+        self.clock.record(seconds, computed_tokens)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop both threads; unmount the segment once neither is inside a store call (a
+        thread stuck in a call to a dead master is left to the process's exit)."""
+        puts_done = self.puts.close(timeout)
+        loads_done = self.loader.close(timeout)
+        if puts_done and loads_done:
+            self.link.close()

@@ -1,0 +1,70 @@
+"""Store keys are deterministic and name the model's identity; the weights digest follows
+the weights' bytes, not their path; the cost rule loads exactly when reading is cheaper."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from aioprefill.kvstore.cost import ForwardClock, load_pays, min_blocks
+from aioprefill.kvstore.identity import StoreIdentity, weights_digest
+
+
+def test_keys_are_the_same_in_another_process():
+    code = (
+        "from aioprefill.kvstore.identity import StoreIdentity as S;"
+        "print(S('m', 'float32', 'L', 16, 1, 2).key(2**63 + 5))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == StoreIdentity("m", "float32", "L", 16, 1, 2).key(2**63 + 5)
+    assert StoreIdentity("m", "float32", "L", 16).key(1) != StoreIdentity(
+        "m", "float32", "L", 32
+    ).key(1)
+
+
+def test_weights_digest_follows_bytes_not_paths(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    data = bytes(range(256)) * (40 << 10)  # 10 MiB: sampled, not read whole
+    (a / "model.safetensors").write_bytes(data)
+    (b / "model.safetensors").write_bytes(data)
+    assert weights_digest(b"spec", a) == weights_digest(b"spec", b)
+    assert weights_digest(b"spec", a) != weights_digest(b"other spec", a)
+    changed = bytearray(data)
+    changed[len(data) - 10] ^= 1  # in the last MiB, which is always read
+    (b / "model.safetensors").write_bytes(bytes(changed))
+    assert weights_digest(b"spec", a) != weights_digest(b"spec", b)
+    assert weights_digest(b"spec", None) == weights_digest(b"spec", None)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "value_bytes", "spt", "bw", "lat", "pays"),
+    [
+        (1, 80_000, 134e-6, 1e9, 1e-3, True),  # tiny Llama on CPU: 2.1 ms compute vs 1.08 ms
+        (1, 80_000, 1e-6, 1e9, 1e-3, False),  # a fast accelerator: 16 us compute
+        (100, 80_000, 6e-6, 1e9, 1e-3, True),  # 9.6 ms vs 9 ms: long chains amortize latency
+        (100, 80_000, 5e-6, 1e9, 1e-3, False),  # 80 us/block < 80 us read per block: never
+        (0, 80_000, 1.0, 1e9, 0.0, False),
+    ],
+)
+def test_load_pays_compares_read_time_with_compute_time(blocks, value_bytes, spt, bw, lat, pays):
+    assert load_pays(blocks, value_bytes, 16, spt, bw, lat) is pays
+
+
+def test_min_blocks_is_the_threshold_of_load_pays():
+    for spt in (5.5e-6, 6e-6, 1e-5, 1e-4):
+        k = min_blocks(80_000, 16, spt, 1e9, 1e-3)
+        assert k is not None
+        assert load_pays(k, 80_000, 16, spt, 1e9, 1e-3)
+        assert k == 1 or not load_pays(k - 1, 80_000, 16, spt, 1e9, 1e-3)
+    assert min_blocks(80_000, 16, 5e-6, 1e9, 1e-3) is None
+
+
+def test_forward_clock_follows_the_worker():
+    clock = ForwardClock(1e-3, alpha=0.5)
+    clock.record(0.010, 100)  # 100 us/token
+    assert clock.seconds_per_token == pytest.approx(0.5e-3 + 0.5e-4)
+    clock.record(1.0, 0)  # no computed tokens: ignored
+    assert clock.seconds_per_token == pytest.approx(0.5e-3 + 0.5e-4)
