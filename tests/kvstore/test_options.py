@@ -35,7 +35,7 @@ def test_engine_config_refuses_bad_store_fields(fields, match):
         ({"host": ""}, "host"),
         ({"protocol": "udp"}, "protocol"),
         ({"device": None}, "device"),
-        ({"segment_bytes": 1000}, "segment_bytes"),
+        ({"segment_bytes": (16 << 20) - 1}, "segment_bytes"),  # Mooncake refuses it (-600)
         ({"segment_bytes": True}, "segment_bytes"),
         ({"put_buffer_bytes": -1}, "put_buffer_bytes"),
         ({"load_buffer_bytes": 1.5}, "load_buffer_bytes"),
