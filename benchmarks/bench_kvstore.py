@@ -3,8 +3,8 @@ behind the store tier's cost rule (`aioprefill.kvstore.cost`, docs/kv-store.md).
 
 1. Loads over loopback TCP. A writer process (this script with `--writer`) lends the store
    its segment and puts N blocks through a `StoreTier` (real values: header, token ids,
-   payload, CRC32); this process (a 16 MiB segment, the least Mooncake takes, so the blocks live in the writer's) loads
-   chains of k blocks, interleaved round by round:
+   payload, CRC32); this process (a 16 MiB segment, the least Mooncake takes; the blocks
+   live in the writer's) loads chains of k blocks, interleaved round by round:
    - `raw`: one `batch_get_into` of the k values into the registered load buffer (the
      client alone);
    - `tier`: `StoreTier.load`: the same call on the load thread, every value checked, and
