@@ -9,7 +9,13 @@ it for its whole duration; alone, it takes the full budget.
 
 These functions only *propose*: they never change a `Request`. The `Scheduler` marks a batch's
 requests dispatched once the pool has accepted it, so a full ring needs no rollback of fields.
-`Columns` is the one place where a request's wire columns are produced.
+`Columns` (`aioprefill.columns`) is the one place where a request's wire columns are produced.
+
+With the prefix cache, `take_batch` gets the group's `BatchPlan`: a request's first chunk costs
+only its uncached tokens in the budget (blocks the group holds, or that a request ahead of it in
+the same batch writes), and with several groups the plan may leave a request to a group that
+holds more of its prompt (`aioprefill.prefix.cache` states the rule). The staged batch is formed
+before its group is known, so it only takes prompts the cache cannot touch (no full block).
 
 Expert-parallel ranks run different batches but step together: each MoE layer exchanges tokens
 between them, so every rank must run every step, and a rank with no work gets an empty batch
@@ -21,13 +27,14 @@ usual batch budgets, first come first served.
 
 from __future__ import annotations
 
-import struct
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
+from aioprefill.columns import Columns, make_prefill_batch
 from aioprefill.core import Budget, Chunk, Request
-from aioprefill.outputs import option_columns
-from aioprefill.protocol import FLAG_FIRST_CHUNK, FLAG_LAST_CHUNK, PrefillBatch
+
+if TYPE_CHECKING:
+    from aioprefill.prefix.plan import BatchPlan
 
 __all__ = [
     "Budget",
@@ -42,88 +49,25 @@ __all__ = [
 ]
 
 
-class Columns:
-    """The per-request wire columns of one batch, appended as requests join it.
-
-    Whole prompts leave `start_pos`/`flags` as None (the packer fills the constant), so the
-    common case appends two references per request. A new per-request option is one more
-    column here and in `pack`. Output options (`aioprefill.outputs`) are kept sparse, as
-    (position, Outputs) for the requests that have any: None while nobody in the batch does.
-    """
-
-    __slots__ = ("flags", "ids", "num_tokens", "outputs", "start_pos", "token_parts")
-
-    def __init__(self, *, whole: bool = True) -> None:
-        self.ids: list[int] = []
-        self.token_parts: list[bytes] = []
-        self.start_pos: list[int] | None = None if whole else []
-        self.flags: list[int] | None = None if whole else []
-        self.outputs: list[tuple[int, Any]] | None = None
-        self.num_tokens = 0
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def add_whole(self, req: Request) -> None:
-        self.ids.append(req.request_id)
-        self.token_parts.append(req.tokens)
-        self.num_tokens += req.num_tokens
-        if req.outputs is not None:
-            self._add_outputs(req.outputs)
-
-    def _add_outputs(self, outputs: Any) -> None:
-        if self.outputs is None:
-            self.outputs = []
-        self.outputs.append((len(self.ids) - 1, outputs))
-
-    def add_chunk(self, req: Request, start: int, end: int) -> None:
-        assert self.start_pos is not None and self.flags is not None
-        self.ids.append(req.request_id)
-        whole = start == 0 and end == req.num_tokens
-        self.token_parts.append(req.tokens if whole else req.tokens[4 * start : 4 * end])
-        self.start_pos.append(start)
-        self.flags.append(
-            (FLAG_FIRST_CHUNK if start == 0 else 0)
-            | (FLAG_LAST_CHUNK if end == req.num_tokens else 0)
-        )
-        self.num_tokens += end - start
-        if req.outputs is not None:
-            self._add_outputs(req.outputs)
-
-    @classmethod
-    def of_chunks(cls, chunks: list[Chunk]) -> Columns:
-        cols = cls(whole=False)
-        for c in chunks:
-            cols.add_chunk(c.request, c.start, c.end)
-        return cols
-
-    def pack(self, batch_id: int, free_ids: list[int], sent_ns: int) -> PrefillBatch:
-        options = None if self.outputs is None else option_columns(len(self.ids), self.outputs)
-        return make_prefill_batch(
-            batch_id,
-            self.ids,
-            self.token_parts,
-            self.start_pos,
-            self.flags,
-            free_ids,
-            sent_ns,
-            options,
-        )
-
-
-def take_batch(pending: deque[Request], worker: int, budget: Budget) -> list[Chunk]:
+def take_batch(
+    pending: deque[Request], worker: int, budget: Budget, plan: BatchPlan | None = None
+) -> list[Chunk]:
     """Remove and return the next batch for group `worker`, first come first served.
 
     Skips (and drops) cancelled requests; skips requests pinned to another group or whose
     previous chunk is still running, leaving them in place. Stops at the first short request
     that does not fit, so no request is overtaken by a later one of its size class. Requests
     whose last chunk is in the batch leave `pending`; the others stay at their position.
-    Changes no request: the caller marks the chunks sent once they are.
+    Changes no request: the caller marks the chunks sent once they are. With a `plan` (the
+    group's prefix cache), a first chunk costs its uncached tokens and its reads and writes are
+    placed; requests the plan leaves to another group stay queued, unless nothing else would
+    keep this group busy.
     """
     chunks: list[Chunk] = []
     kept: list[Request] = []  # requests looked at but left in the queue, in their order
     tokens = 0
     long_req: Request | None = None
+    long_cached = 0
     max_tokens = budget.max_batch_tokens
     max_size = budget.max_batch_size
     long_threshold = max_tokens if budget.chunked else 1 << 62
@@ -135,27 +79,44 @@ def take_batch(pending: deque[Request], worker: int, budget: Budget) -> list[Chu
         if req.chunk_in_flight or (req.worker >= 0 and req.worker != worker):
             kept.append(req)
             continue
-        n = req.num_tokens
-        if n > long_threshold:
+        cached = 0
+        if plan is not None and req.hashes and not req.next_pos:
+            cached = plan.lookup(req)
+            if plan.elsewhere(req, cached):
+                kept.append(req)
+                continue
+        n = req.num_tokens - cached
+        if n > long_threshold or req.next_pos:
             kept.append(req)
             if long_req is None:
-                long_req = req  # its chunk takes what the short requests leave
+                long_req, long_cached = req, cached  # its chunk takes what the others leave
             continue
         # Short requests behind a long prompt get at most half of the budget.
         if tokens + n > (max_tokens if long_req is None else max_tokens - max_tokens // 2):
             kept.append(req)
             break
-        chunks.append(Chunk(req, 0, n))
+        end = req.num_tokens
+        chunks.append(Chunk(req, 0, end) if plan is None else plan.place(req, 0, end, cached))
         tokens += n
     if long_req is not None:
-        size = min(long_req.remaining, max_tokens - tokens)
+        start = long_req.next_pos
+        if plan is not None and not start:  # again: the batch's writes may have changed it
+            long_cached = plan.lookup(long_req)
+        size = min(long_req.remaining - long_cached, max_tokens - tokens)
         if size > 0:
-            start = long_req.next_pos
-            chunks.append(Chunk(long_req, start, start + size))
-            if size == long_req.remaining:
+            end = start + long_cached + size
+            chunks.append(
+                Chunk(long_req, start, end)
+                if plan is None
+                else plan.place(long_req, start, end, long_cached)
+            )
+            if end == long_req.num_tokens:
                 kept.remove(long_req)
     if kept:
         pending.extendleft(reversed(kept))
+    if not chunks and plan is not None and plan.deferred and plan.patient:
+        plan.patient = False  # nobody else keeps this group busy: it takes them after all
+        return take_batch(pending, worker, budget, plan)
     return chunks
 
 
@@ -191,9 +152,11 @@ class StagedBatch:
         return self.columns.token_parts
 
     def try_add(self, req: Request, budget: Budget) -> bool:
-        """Stage a whole prompt if it is short and fits the budget; False otherwise."""
+        """Stage a whole prompt if it is short, fits the budget and has no block the prefix
+        cache could hold; False otherwise."""
         if (
-            len(self.requests) >= budget.max_batch_size
+            req.hashes  # its cost and its reads depend on the group: `take_batch` forms it
+            or len(self.requests) >= budget.max_batch_size
             or self.columns.num_tokens + req.num_tokens > budget.max_batch_tokens
             or budget.is_long(req)
         ):
@@ -296,44 +259,3 @@ def split_step(pending: deque[Request], num_ranks: int, budget: Budget) -> list[
     if kept:
         pending.extendleft(reversed(kept))
     return steps
-
-
-def make_prefill_batch(
-    batch_id: int,
-    request_ids: list[int],
-    token_parts: list[bytes],
-    start_pos: list[int] | None,
-    flags: list[int] | None,
-    free_ids: list[int],
-    sent_ns: int,
-    options: tuple[bytes, bytes, list[str]] | None = None,
-) -> PrefillBatch:
-    """Pack per-request columns into a PrefillBatch (`token_parts`: int32 bytes per request).
-
-    `start_pos` / `flags` None mean every request is a whole prompt. `struct.pack` over Python
-    ints beats building NumPy arrays for the small batches that dominate the hot path, and
-    costs a few microseconds for a 256-request batch. `options`: the (options, top_k,
-    kv_names) columns from `aioprefill.outputs.option_columns`, None when nobody asked.
-    """
-    n = len(request_ids)
-    offsets = [0]
-    total = 0
-    for part in token_parts:
-        total += len(part) >> 2
-        offsets.append(total)
-    msg = PrefillBatch(
-        batch_id=batch_id,
-        request_ids=struct.pack(f"<{n}q", *request_ids),
-        offsets=struct.pack(f"<{n + 1}i", *offsets),
-        tokens=b"".join(token_parts),
-        start_pos=bytes(4 * n) if start_pos is None else struct.pack(f"<{n}i", *start_pos),
-        flags=_WHOLE_PROMPT * n if flags is None else bytes(flags),
-        free_ids=struct.pack(f"<{len(free_ids)}q", *free_ids) if free_ids else b"",
-        sent_ns=sent_ns,
-    )
-    if options is not None:
-        msg.options, msg.top_k, msg.kv_names = options
-    return msg
-
-
-_WHOLE_PROMPT = bytes([FLAG_FIRST_CHUNK | FLAG_LAST_CHUNK])

@@ -127,6 +127,11 @@ class EngineConfig:
     # `kv.transfer_params()` tells a decode node how to pull it (aioprefill.transfer).
     kv_transfer: str | None = None
     kv_transfer_options: TransferOptions = field(default_factory=TransferOptions)
+    # Prefix cache, per worker process (every rank of a group): bytes of full blocks of
+    # `prefix_block_tokens` prompt tokens kept for later prompts that start the same way
+    # (touched as used, so memory grows with use); 0 turns it off. docs/prefix-cache.md.
+    prefix_cache_bytes: int = 1 << 30
+    prefix_block_tokens: int = 16
     # "mooncake": a Mooncake Store is the prefix cache's second tier, shared by every worker
     # of every engine that names the same master (aioprefill.kvstore, docs/kv-store.md).
     kv_store: str | None = None
@@ -194,7 +199,19 @@ class EngineConfig:
         )
         _positive_int(self.max_kv_export_bytes, "EngineConfig.max_kv_export_bytes", allow_zero=True)
         _check_kv_transfer(self.kv_transfer, self.kv_transfer_options)
+        _positive_int(self.prefix_cache_bytes, "EngineConfig.prefix_cache_bytes", allow_zero=True)
+        _positive_int(self.prefix_block_tokens, "EngineConfig.prefix_block_tokens")
+        _require(
+            self.prefix_block_tokens <= 4096,
+            "EngineConfig.prefix_block_tokens",
+            f"must be at most 4096, got {self.prefix_block_tokens}",
+        )
         _check_kv_store(self.kv_store, self.kv_store_options)
+        _require(
+            self.kv_store is None or self.prefix_cache_bytes > 0,
+            "EngineConfig.kv_store",
+            "the store is the prefix cache's second tier: it needs prefix_cache_bytes > 0",
+        )
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(
@@ -209,7 +226,7 @@ class EngineConfig:
         """Bytes one full batch frame can take: int32 tokens + per-request columns + slack."""
         # request id, offset, start position, prompt length, flags; output options, top_k and
         # a KV export's segment name (~50 bytes of msgpack str) when a request asks for them.
-        per_request = 8 + 4 + 4 + 4 + 1 + 1 + 4 + 64
+        per_request = 8 + 4 + 4 + 4 + 1 + 1 + 4 + 64 + 12  # (+ prefix cache offsets)
         return 4 * self.max_batch_tokens + per_request * (self.max_batch_size + 1) + 4096
 
     def effective_ring_capacity(self) -> int:

@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 from aioprefill.affinity import LoopAffinity
 from aioprefill.errors import AioprefillError, EngineClosed
 from aioprefill.health import EngineHealth, health_of
+from aioprefill.prefix.hashing import check_salt
 from aioprefill.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from aioprefill.config import EngineConfig
     from aioprefill.pool.pool import WorkerPool
+    from aioprefill.prefix.cache import PrefixCache
     from aioprefill.result import PrefillResult
     from aioprefill.scheduler import Scheduler
 
@@ -143,6 +145,7 @@ class EngineControls:
     _affinity: LoopAffinity
     _life: Lifecycle
     _pool: WorkerPool
+    _sched: Scheduler
     if TYPE_CHECKING:
         prefill: Callable[..., Coroutine[Any, Any, PrefillResult]]  # Engine's
 
@@ -159,6 +162,13 @@ class EngineControls:
         or every worker was given up."""
         return self._life.state is State.RUNNING and self._life.broken is None
 
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """What every worker's prefix cache holds (None when `prefix_cache_bytes` is 0). Set
+        its `observer` (`aioprefill.prefix.CacheObserver`) to be told of every block stored,
+        evicted or lost, e.g. to publish vLLM-style KV events."""
+        return self._sched.cache
+
     def health(self) -> EngineHealth:
         """Each worker's state (ready, busy, restarting, given up...) and `is_running`."""
         life = self._life
@@ -174,5 +184,7 @@ class EngineControls:
 
     def submit_threadsafe(self, tokens: Any, **options: Any) -> concurrent.futures.Future[Any]:
         """`prefill(tokens, **options)` from a thread other than the engine's: returns a
-        `concurrent.futures.Future` (cancel it to cancel the request)."""
+        `concurrent.futures.Future` (cancel it to cancel the request). A bad `cache_salt`
+        raises `InvalidRequest` here, in the caller's thread."""
+        check_salt(options.get("cache_salt"))
         return self._affinity.submit(self.prefill(tokens, **options))

@@ -34,6 +34,10 @@ class Request:
     attempts: int = 0
     outputs: Any = None  # aioprefill.outputs.Outputs, when the caller asked for more than a token
     tag: str | int | None = None  # the caller's request_id: in its errors and the logs
+    # Prefix cache: the chained hash of each full block (None: cache off or no full block),
+    # and the tokens its first chunk computed this attempt read from the cache.
+    hashes: list[int] | None = None
+    cached_tokens: int = 0
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -46,11 +50,14 @@ class Request:
 
 @dataclass(slots=True, frozen=True)
 class Chunk:
-    """Tokens `[start, end)` of one request, as they ride in one batch."""
+    """Tokens `[start, end)` of one request, as they ride in one batch. `cached`: the tokens
+    before `start` the worker reads from its prefix cache instead (only on the first chunk
+    computed of a prompt, where `start == cached`; its outputs cover the prompt from 0)."""
 
     request: Request
     start: int
     end: int
+    cached: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -84,3 +91,4 @@ class InFlightBatch:
     chunks: list[Chunk] = field(default_factory=list)
     answers: int = 0  # ranks of the group that answered it so far
     answer: BatchResult | BatchFailed | None = None  # rank 0's, or the first rank's failure
+    pins: Any = None  # aioprefill.prefix.Pins: cache slots it uses, released with its answer

@@ -3,8 +3,7 @@
 A thin facade (lifecycle, admission, wiring) over the `Scheduler` (queue, staged batch,
 counters), a `DispatchPolicy` (when a group gets a batch), the `WorkerPool` (processes, rings,
 fds, timers), `Outcomes` (callers' futures) and `Recovery` (after a death); see
-docs/architecture.md. All of it lives on the engine's event loop: no threads, no locks, no
-polling. It reacts to:
+docs/architecture.md. All of it lives on the engine's loop: no threads, locks or polling:
 
 - a caller's `prefill()` (the request joins the queue; an idle group may get it at once),
 - a group's forward-done eventfd (with policy ``forward`` the group is handed its next batch
@@ -32,6 +31,7 @@ from aioprefill.policies import policy_class
 from aioprefill.pool.pool import WorkerPool
 from aioprefill.pool.process import WorkerHandle
 from aioprefill.pool.slot import PoolEvents, WorkerSlot
+from aioprefill.prefix.cache import prefix_cache_for
 from aioprefill.protocol import BatchFailed
 from aioprefill.recovery import Recovery
 from aioprefill.result import PrefillResult
@@ -67,7 +67,7 @@ class Engine(EngineControls):
         self._timer = LoopTimer(self._on_timer)
         # chosen once: no event branches on its name
         policy = policy_class(config.policy, expert_parallel=config.expert_parallel)
-        self._sched = Scheduler(budget, staging=policy.staging)
+        self._sched = Scheduler(budget, staging=policy.staging, cache=prefix_cache_for(config))
         transfer = TransferRegistry(config.kv_transfer_options) if config.kv_transfer else None
         self._kv = KVExports(config.model, config.max_kv_export_bytes, transfer)
         self._outcomes = Outcomes(self._sched, self._pool.free_later, self._stats, self._kv)
@@ -133,6 +133,7 @@ class Engine(EngineControls):
         return_kv: bool = False,
         deadline_s: float | None = None,
         request_id: str | int | None = None,
+        cache_salt: str | None = None,
     ) -> PrefillResult:
         """Run the prefill of one prompt; return its greedy next token and timings.
 
@@ -148,11 +149,12 @@ class Engine(EngineControls):
         requests, `EngineOverloaded` — or, with `wait=True`, waits for room instead;
         `KVBudgetExceeded` when KV exports fill `max_kv_export_bytes`. A request not handed
         to a worker within `deadline_s` fails with `DeadlineExceeded` and never runs;
-        `request_id` (the caller's) names the request in its errors and in log lines.
+        `request_id` (the caller's) names the request in its errors and in log lines;
+        different `cache_salt`s never share a cached block (docs/prefix-cache.md).
         """
         submitted_ns = time.monotonic_ns()  # TTFT counts any wait for room below
         self._affinity.check("prefill()")
-        validate_controls(deadline_s, request_id)
+        validate_controls(deadline_s, request_id, cache_salt)
         try:  # a caller's request_id names the request in these errors too
             if isinstance(tokens, str):  # long texts are tokenized off the loop
                 tokens = await encode_text(self.tokenizer, tokens)
@@ -185,7 +187,7 @@ class Engine(EngineControls):
             if request_id is None:
                 raise
             raise tagged(exc, request_id) from None
-        req = sched.submit(prompt, submitted_ns, future, outputs, request_id)
+        req = sched.submit(prompt, submitted_ns, future, outputs, request_id, cache_salt)
         self._stats.submitted += 1
         if deadline_s is not None:  # armed before dispatch: deadline 0 still lets an idle worker
             loop = self._life.loop
@@ -205,8 +207,7 @@ class Engine(EngineControls):
 
     def stats(self) -> EngineStats:
         """Counters and recent distributions (batch size/tokens, queue time, bubble)."""
-        sched = self._sched
-        return self._stats.snapshot(pending=sched.num_pending, in_flight=sched.num_in_flight)
+        return self._stats.snapshot(self._sched)
 
     def _after_event(self) -> None:
         """After every event: wake callers waiting for room; check invariants if asked to."""
@@ -245,7 +246,7 @@ class Engine(EngineControls):
         if not done:
             return
         for batch in done:
-            free = self._sched.release(batch.chunks)
+            free = self._sched.answered(batch)  # (its cache slots released too)
             if free >= 0 and slot.ready:  # a cancelled prompt's chunk: drop its KV cache
                 self._pool.free_later(slot.index, [free])
         # Next batch first: every microsecond spent here before the ring write is bubble.

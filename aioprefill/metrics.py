@@ -53,6 +53,15 @@ _GAUGES = (
     ("pending", "requests_pending", "Requests accepted but not yet fully dispatched."),
     ("in_flight", "requests_in_flight", "Requests accepted and not yet answered."),
 )
+# Prefix cache (`EngineStats.prefix_cache`): (field, metric name, help, is a counter)
+_PREFIX_CACHE = (
+    ("queried_tokens", "prefix_cache_queries", "Prompt tokens looked up in a prefix cache.", 1),
+    ("hit_tokens", "prefix_cache_hits", "Prompt tokens read from a prefix cache.", 1),
+    ("evictions", "prefix_cache_evictions", "Cached blocks evicted to make room.", 1),
+    ("blocks", "prefix_cache_blocks", "Blocks the workers' prefix caches hold.", 0),
+    ("bytes", "prefix_cache_bytes", "Bytes the workers' prefix caches hold (every rank).", 0),
+    ("capacity_blocks", "prefix_cache_capacity_blocks", "Prefix cache slots, all workers.", 0),
+)
 # (field, metric name, help, scale from the recorded unit to the exported one)
 _HISTOGRAMS = (
     ("ttft_us", "ttft_seconds", "Time to first token: prefill() call to result.", 1e-6),
@@ -85,6 +94,9 @@ class EngineCollector(Collector):
             yield CounterMetricFamily(f"{p}_{name}", doc, value=getattr(s, field))
         for field, name, doc in _GAUGES:
             yield GaugeMetricFamily(f"{p}_{name}", doc, value=getattr(s, field))
+        for field, name, doc, counter in _PREFIX_CACHE:
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            yield family(f"{p}_{name}", doc, value=getattr(s.prefix_cache, field))
         for field, name, doc, scale in _HISTOGRAMS:
             hist = getattr(s, field).histogram
             if hist is not None:

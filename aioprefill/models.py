@@ -32,6 +32,9 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
     attn_ns: float = 0.0
     vocab_size: int = 32000
     max_position_embeddings: int = 1 << 20
+    # Nominal KV bytes per token, so a prefix cache budget holds as many blocks as for a real
+    # model: Llama-3-8B's (32 layers x 8 KV heads x 128 x K,V x 2 bytes = 128 KiB).
+    kv_bytes_per_token: int = 131072
     # Fault injection for tests and drills: a forward whose batch holds this token id raises
     # (fail_token), kills its worker process (crash_token), or hangs for an hour (hang_token).
     fail_token: int = -1
@@ -50,6 +53,7 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
         for name in ("fixed_ms", "per_token_us", "attn_ns", "slow_rank_ms"):
             _finite_nonneg(getattr(self, name), f"SimModel.{name}")
         _positive_int(self.vocab_size, "SimModel.vocab_size")
+        _positive_int(self.kv_bytes_per_token, "SimModel.kv_bytes_per_token")
         _positive_int(self.max_position_embeddings, "SimModel.max_position_embeddings")
         _require(
             isinstance(self.fail_rank, int)
@@ -64,10 +68,14 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
         """The longest prompt this model takes: its max_position_embeddings."""
         return self.max_position_embeddings
 
-    def forward_seconds(self, seq_lens: list[int]) -> float:
-        """The cost model: how long one forward over these (chunk) lengths sleeps."""
+    def forward_seconds(self, seq_lens: list[int], cached: list[int] | None = None) -> float:
+        """The cost model: how long one forward over these (chunk) lengths sleeps. `cached`:
+        tokens each chunk reads from the prefix cache, which cost only attention over them
+        (a chunk of n tokens after c cached ones: (c + n)^2 - c^2)."""
         tokens = sum(seq_lens)
         square = sum(n * n for n in seq_lens)
+        if cached:
+            square += 2 * sum(n * c for n, c in zip(seq_lens, cached, strict=True))
         return (
             self.fixed_ms * 1e-3 + self.per_token_us * 1e-6 * tokens + self.attn_ns * 1e-9 * square
         )

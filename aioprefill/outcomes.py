@@ -110,6 +110,7 @@ class Outcomes:
                     batch_tokens=batch.num_tokens,
                     num_tokens=req.num_tokens,
                     num_chunks=req.num_chunks,
+                    cached_tokens=req.cached_tokens,
                     submitted_ns=req.submitted_ns,
                     dispatched_ns=batch.dispatched_ns,
                     forward_start_ns=msg.forward_start_ns,

@@ -215,7 +215,11 @@ def read_outputs(msg: BatchResult, chunks: list[Any], ledger: KVExports) -> list
         _NONE
         if c.request.outputs is None
         else columns.chunk(
-            c.request.outputs, c.start, c.end, last=c.is_last, alive=not c.request.handle.done()
+            c.request.outputs,
+            c.start - c.cached,  # a chunk that reads the cache answers from the prompt's start
+            c.end,
+            last=c.is_last,
+            alive=not c.request.handle.done(),
         )
         for c in chunks
     ]

@@ -59,6 +59,7 @@ class Recovery:
     ) -> int:
         """Requeue what may be retried (oldest first), fail the rest; return how many retry."""
         sched = self._sched
+        sched.lost_group(group)  # its prefix cache died with it
         retry, fail = plan_recovery(
             lost,
             sched.pinned_to(group),  # queued between chunks: their KV cache died too

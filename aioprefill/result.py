@@ -25,6 +25,10 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     float32[hidden] (the final-norm hidden state of the last token, or its mean over the
     prompt's tokens, L2-normalised with `normalize=True`); `kv`, a `KVExport` handle (`with
     r.kv as kv: kv.keys, kv.values`) to close when done. The arrays are read-only.
+
+    `cached_tokens`: prompt tokens read from the worker's prefix cache instead of computed
+    (whole blocks, never the last token; blocks another request of the same batch computed
+    included); every output is the same as without the cache.
     """
 
     request_id: int
@@ -36,6 +40,7 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     batch_tokens: int
     num_tokens: int
     num_chunks: int
+    cached_tokens: int = 0
     submitted_ns: int
     dispatched_ns: int
     forward_start_ns: int

@@ -20,20 +20,26 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, ClassVar, Protocol
 
-from aioprefill.batching import Columns, StagedBatch, split_step, take_batch
+from aioprefill.batching import StagedBatch, split_step, take_batch
+from aioprefill.columns import Columns
 from aioprefill.core import Budget, Chunk, Request
+from aioprefill.invariants import recount
+from aioprefill.prefix.cache import PrefixCache
+from aioprefill.prefix.plan import BatchPlan
 
 __all__ = ["BatchSink", "InFlight", "Scheduler"]
 
 
 class InFlight(Protocol):
-    """A batch the pool accepted; the scheduler fills in its chunks."""
+    """A batch the pool accepted; the scheduler fills in its chunks (and its cache pins)."""
 
     chunks: list[Chunk]
+    pins: Any
 
 
 class BatchSink(Protocol):
-    """Where formed batches go: the `WorkerPool`, or a fake one in tests."""
+    """Where formed batches go: the `WorkerPool`, or a fake one in tests. With a prefix cache
+    the scheduler also reads its `slots` (`cache_blocks`, `block_bytes`, `generation`)."""
 
     def send(self, group: int, columns: Columns, *, backlogged: bool) -> InFlight | None:
         """Write one batch to every rank of `group`; None (nothing written) if a ring is full."""
@@ -44,9 +50,10 @@ class Scheduler:
     # After every engine event, check the invariants (tests turn this on; off costs one lookup).
     checking: ClassVar[bool] = os.environ.get("AIOPREFILL_CHECK_INVARIANTS", "") == "1"
 
-    def __init__(self, budget: Budget, *, staging: bool) -> None:
+    def __init__(self, budget: Budget, *, staging: bool, cache: PrefixCache | None = None) -> None:
         self.budget = budget
         self.staging = staging  # policy "forward": keep the next batch's columns ready
+        self.cache = cache  # every group's prefix cache index (None: off)
         self.pending: deque[Request] = deque()
         self.staged = StagedBatch()
         self.num_pending = 0
@@ -63,11 +70,14 @@ class Scheduler:
         handle: Any,
         outputs: Any = None,
         tag: str | int | None = None,
+        salt: str | None = None,
     ) -> Request:
         """Accept a prompt: it joins the staged batch (head of the queue) or the queue.
         `outputs`: its `aioprefill.outputs.Outputs`, when it asked for more than a token;
-        `tag`: the caller's request_id."""
+        `tag`: the caller's request_id; `salt`: its cache_salt (hashed into its blocks)."""
         req = Request(next(self._ids), tokens, submitted_ns, handle, outputs=outputs, tag=tag)
+        if self.cache is not None:
+            req.hashes = self.cache.hashes(tokens, salt)
         if not (self.staging and not self.pending and self.staged.try_add(req, self.budget)):
             self.pending.append(req)
         self.num_pending += 1
@@ -118,14 +128,41 @@ class Scheduler:
                     return False
                 batch.chunks = self._commit_staged(staged)
                 return True
-        chunks = take_batch(self.pending, group, self.budget)
+        plan = self._plan(group, sink, route=True)
+        chunks = take_batch(self.pending, group, self.budget, plan)
         if not chunks:
             return False
-        batch = sink.send(group, Columns.of_chunks(chunks), backlogged=backlogged)
+        if self._send(group, sink, chunks, plan, backlogged):
+            return True
+        self._put_back(chunks)
+        return False
+
+    def _plan(self, group: int, sink: BatchSink, *, route: bool = False) -> BatchPlan | None:
+        if self.cache is None:
+            return None
+        return self.cache.plan(group, sink.slots, route=route)  # type: ignore[attr-defined]
+
+    def _send(
+        self,
+        group: int,
+        sink: BatchSink,
+        chunks: list[Chunk],
+        plan: BatchPlan | None,
+        backlogged: bool,
+    ) -> bool:
+        """Send `chunks` (their cache instructions from `plan`) and mark them sent; False
+        (the plan undone) when a ring was full."""
+        cols = Columns.of_chunks(chunks)
+        if plan is not None:
+            cols.cache = plan.columns()
+        batch = sink.send(group, cols, backlogged=backlogged)
         if batch is None:
-            self._put_back(chunks)
+            if plan is not None:
+                plan.abort()
             return False
         batch.chunks = chunks
+        if plan is not None:
+            batch.pins = plan.commit()
         self._mark_sent(chunks, group)
         return True
 
@@ -137,14 +174,14 @@ class Scheduler:
         if not always and not any(steps):
             return False
         for rank, chunks in enumerate(steps):
-            batch = sink.send(rank, Columns.of_chunks(chunks), backlogged=True)
-            if batch is None:
+            plan = self._plan(rank, sink) if chunks else None  # each rank its own cache
+            if plan is not None:
+                chunks = [plan.place(c.request, c.start, c.end, _first(plan, c)) for c in chunks]
+            if not self._send(rank, sink, chunks, plan, True):
                 # A rank's ring had no room: not in lockstep (one step in flight at most), so
                 # the ranks are broken; these chunks wait for the group's restart.
                 self._put_back([c for later in steps[rank:] for c in later])
                 return False
-            batch.chunks = chunks
-            self._mark_sent(chunks, rank)
         return True
 
     def _put_back(self, chunks: list[Chunk]) -> None:
@@ -171,9 +208,11 @@ class Scheduler:
     def _mark_sent(self, chunks: list[Chunk], group: int) -> None:
         for c in chunks:
             req = c.request
+            if c.start == c.cached:  # its first chunk computed
+                req.cached_tokens = c.cached
             req.next_pos = c.end
             req.num_chunks += 1
-            self.pending_tokens -= c.end - c.start
+            self.pending_tokens -= c.end - c.start + c.cached
             if c.end == req.num_tokens:
                 self.num_pending -= 1
             else:
@@ -203,23 +242,17 @@ class Scheduler:
         size = self.budget.max_batch_tokens if self.budget.is_long(req) else n
         while req.next_pos < n:
             start = req.next_pos
-            end = min(start + size, n)
-            cols = Columns(whole=False)
-            cols.add_chunk(req, start, end)
-            batch = sink.send(group, cols, backlogged=backlogged)
-            backlogged = True  # the next chunk queues behind this one
-            if batch is None:
-                pending.appendleft(req)
+            plan = self._plan(group, sink)
+            cached = plan.lookup(req) if plan is not None and not start else 0
+            end = min(start + cached + size, n)
+            chunk = Chunk(req, start, end) if plan is None else plan.place(req, start, end, cached)
+            if not self._send(group, sink, [chunk], plan, backlogged):
+                pending.appendleft(req)  # at the head, from its first unsent chunk
                 return False
-            chunk = Chunk(req, start, end)
-            batch.chunks = [chunk]
-            req.next_pos = end
-            req.num_chunks += 1
-            self.pending_tokens -= end - start
-            if end == n:
-                self.num_pending -= 1
-            else:
+            backlogged = True  # the next chunk queues behind this one
+            if end < n:
                 req.worker = group  # the rest must follow on the same group
+                req.chunk_in_flight = False  # (eager: its chunks queue at the group in order)
         return True
 
     def oldest_waiting_ns(self) -> int | None:
@@ -232,6 +265,15 @@ class Scheduler:
         return None
 
     # ---- answers and deaths ---------------------------------------------------------------
+
+    def answered(self, batch: InFlight) -> int:
+        """A batch's answer (or failure) came back: its cache slots are released, then as
+        `release`."""
+        if batch.pins is not None:
+            assert self.cache is not None
+            self.cache.release(batch.pins)
+            batch.pins = None
+        return self.release(batch.chunks)
 
     def release(self, chunks: list[Chunk]) -> int:
         """A batch's forward ended: a prompt it carried a middle chunk of may send its next.
@@ -253,6 +295,11 @@ class Scheduler:
         """Queued requests whose KV cache lives on `group` (between two chunks)."""
         return [r for r in self.pending if r.worker == group and not r.cancelled]
 
+    def lost_group(self, group: int) -> None:
+        """`group` died: its prefix cache is gone (nothing is ever read from it again)."""
+        if self.cache is not None:
+            self.cache.drop(group)
+
     def retry(self, req: Request) -> bool:
         """Send `req` again from its first token; True if the caller must requeue it."""
         req.attempts += 1
@@ -264,6 +311,7 @@ class Scheduler:
         req.worker = -1
         req.chunk_in_flight = False
         req.num_chunks = 0
+        req.cached_tokens = 0
         return not queued
 
     def requeue_first(self, requests: list[Request]) -> None:
@@ -283,45 +331,11 @@ class Scheduler:
     # ---- invariants -----------------------------------------------------------------------
 
     def check_invariants(self, in_flight: Iterable[InFlight]) -> None:
-        """Recount everything from the queue, the staged batch and the pool's batches.
+        """Recount the counters from the queue, the staged batch and the pool's batches, and
+        the prefix cache's slots and pins (`aioprefill.invariants`; AssertionError)."""
+        recount(self, list(in_flight))
 
-        One quick pass (it runs after every event in the soak and fault tests); the detailed
-        report is built only once something is off.
-        """
-        ids: set[int] = set()
-        tokens = 0
-        well_formed = True
-        for r in itertools.chain(self.staged.requests, self.pending):
-            if r.cancelled:
-                continue
-            ids.add(r.request_id)
-            tokens += r.num_tokens - r.next_pos
-            if not 0 <= r.next_pos < r.num_tokens or (r.chunk_in_flight and r.worker < 0):
-                well_formed = False
-        queued = len(ids)
-        for batch in in_flight:
-            chunks = batch.chunks
-            if len(chunks) > 1 and any(c.end != c.request.num_tokens for c in chunks[:-1]):
-                well_formed = False  # a middle chunk must ride last: `release` relies on it
-            for c in chunks:
-                r = c.request
-                if c.end > r.next_pos:
-                    well_formed = False
-                if r.cancelled or r.request_id in ids:
-                    continue
-                h = r.handle  # live unless the engine resolved it (a cancel is the caller's)
-                if h is None or not h.done() or h.cancelled():
-                    ids.add(r.request_id)
-        if (
-            not well_formed
-            or self.num_pending != queued
-            or self.pending_tokens != tokens
-            or self.num_in_flight != len(ids)
-            or any(r.next_pos or r.worker >= 0 for r in self.staged.requests)
-        ):
-            raise AssertionError(
-                f"scheduler invariants broken: num_pending {self.num_pending} (recounted "
-                f"{queued}), pending_tokens {self.pending_tokens} ({tokens}), num_in_flight "
-                f"{self.num_in_flight} ({len(ids)}), well formed: {well_formed}; queue: "
-                f"{list(itertools.chain(self.staged.requests, self.pending))!r:.2000}"
-            )
+
+def _first(plan: BatchPlan, c: Chunk) -> int:
+    """The tokens a chunk formed without the cache reads: its prompt's first chunk only."""
+    return plan.lookup(c.request) if c.start == 0 else 0

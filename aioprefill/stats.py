@@ -8,6 +8,8 @@ histogram with fixed buckets (`aioprefill.histogram`), which adds up across proc
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 
@@ -18,6 +20,7 @@ from aioprefill.histogram import (
     Histogram,
     HistogramRecorder,
 )
+from aioprefill.prefix.cache import PrefixCacheStats
 
 __all__ = ["Distribution", "EngineStats", "SampleWindow", "StatsRecorder"]
 
@@ -78,7 +81,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
 
     `ttft_us`: submitted to result (what the caller waited); `queue_us`: submitted to the start
     of the forward that finished it; `forward_us`: one forward as the worker timed it;
-    `bubble_us`: a backlogged worker's idle gap between two forwards.
+    `bubble_us`: a backlogged worker's idle gap between two forwards. `prefix_cache`: tokens
+    looked up and hit, blocks and bytes held, evictions (`PrefixCacheStats`).
     """
 
     submitted: int
@@ -100,6 +104,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     ttft_us: Distribution
     forward_us: Distribution
     bubble_us: Distribution
+    prefix_cache: PrefixCacheStats = PrefixCacheStats()
 
 
 class StatsRecorder:
@@ -133,7 +138,9 @@ class StatsRecorder:
         """A worker answered a batch (results or failure): how long its forward took."""
         self.forward_us.add((end_ns - start_ns) / 1e3)
 
-    def snapshot(self, *, pending: int, in_flight: int) -> EngineStats:
+    def snapshot(self, sched: Any) -> EngineStats:
+        """The counters, with the `Scheduler`'s (pending, in flight, its prefix cache)."""
+        cache = sched.cache
         return EngineStats(
             submitted=self.submitted,
             completed=self.completed,
@@ -143,8 +150,8 @@ class StatsRecorder:
             batches=self.batches,
             empty_batches=self.empty_batches,
             tokens=self.tokens,
-            pending=pending,
-            in_flight=in_flight,
+            pending=sched.num_pending,
+            in_flight=sched.num_in_flight,
             retried=self.retried,
             worker_restarts=self.worker_restarts,
             protocol_errors=self.protocol_errors,
@@ -154,4 +161,5 @@ class StatsRecorder:
             ttft_us=self.ttft_us.summary(),
             forward_us=self.forward_us.summary(),
             bubble_us=self.bubble_us.summary(),
+            prefix_cache=PrefixCacheStats() if cache is None else cache.stats(),
         )

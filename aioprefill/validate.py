@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from aioprefill.errors import InvalidRequest, InvalidRequestType
+from aioprefill.prefix.hashing import check_salt
 
 __all__ = ["validate_controls", "validate_prompt"]
 
@@ -111,9 +112,11 @@ def _range_message(index: int, value: int, vocab_size: int) -> str:
     )
 
 
-def validate_controls(deadline_s: Any, request_id: Any) -> None:
-    """Refuse a `deadline_s` that is not a finite number >= 0, and a `request_id` that is
-    neither a str nor an int (it is shown in errors and logs)."""
+def validate_controls(deadline_s: Any, request_id: Any, cache_salt: Any = None) -> None:
+    """Refuse a `deadline_s` that is not a finite number >= 0, a `request_id` that is
+    neither a str nor an int (it is shown in errors and logs), and a `cache_salt` that is not
+    None or a non-empty str of at most 256 characters."""
+    check_salt(cache_salt)
     if deadline_s is not None and (
         isinstance(deadline_s, bool)
         or not isinstance(deadline_s, (int, float))

@@ -12,7 +12,11 @@
    for the forward and eager policies, and (with --profile) where the engine's time goes.
 3. Idle: CPU time used by the engine process plus 2 idle workers over 10 s.
 
-    python benchmarks/bench_engine.py [--quick] [--profile]
+    python benchmarks/bench_engine.py [--quick] [--profile] [--prefix-cache-bytes N]
+
+`--prefix-cache-bytes 0` turns the prefix cache off (default: EngineConfig's, on), for the
+cache on/off comparison in docs/prefix-cache.md (1-token prompts: nothing to cache, so this
+measures what the cache costs traffic that never reuses anything).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import numpy as np
 import uvloop
 
 from aioprefill import Engine, EngineConfig, SimModel
+
+CACHE: dict[str, int] = {}  # EngineConfig's prefix cache setting (--prefix-cache-bytes)
 
 
 def _echo_child(fd_in: int, fd_out: int) -> None:
@@ -120,7 +126,9 @@ async def handoff_after_idle(n: int, cpu: int | None) -> np.ndarray:
 
 async def bubble(num_requests: int, batch_size: int, cpu: int | None) -> np.ndarray:
     """Gaps between consecutive forwards on one worker while a backlog waits."""
-    cfg = EngineConfig(model=SimModel(fixed_ms=2.0, per_token_us=0.0), max_batch_size=batch_size)
+    cfg = EngineConfig(
+        model=SimModel(fixed_ms=2.0, per_token_us=0.0), max_batch_size=batch_size, **CACHE
+    )
     async with Engine(cfg) as engine:
         if cpu is not None:
             for pid in engine.worker_pids():
@@ -132,7 +140,7 @@ async def bubble(num_requests: int, batch_size: int, cpu: int | None) -> np.ndar
 
 
 async def throughput(policy: str, num_requests: int, profile: bool) -> tuple[float, str]:
-    cfg = EngineConfig(model=SimModel(fixed_ms=0.0, per_token_us=0.0), policy=policy)
+    cfg = EngineConfig(model=SimModel(fixed_ms=0.0, per_token_us=0.0), policy=policy, **CACHE)
     async with Engine(cfg) as engine:
         await asyncio.gather(*(engine.prefill([1]) for _ in range(1000)))  # warm-up
         prof = cProfile.Profile() if profile else None
@@ -248,4 +256,8 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
-    uvloop.run(main(parser.parse_args()))
+    parser.add_argument("--prefix-cache-bytes", type=int, default=None)
+    parsed = parser.parse_args()
+    if parsed.prefix_cache_bytes is not None:
+        CACHE["prefix_cache_bytes"] = parsed.prefix_cache_bytes
+    uvloop.run(main(parsed))

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "engine parts",
         [
             *("core", "outputs", "result", "validate", "affinity", "batching", "scheduler"),
-            *("policies", "stats", "outcomes", "recovery"),
+            *("policies", "stats", "outcomes", "recovery", "prefix", "columns", "invariants"),
         ],
     ),
     ("pool", ["pool"]),

@@ -122,6 +122,10 @@ class WorkerPool:
                 loop.add_reader(handle.outbox.fds()[0], self._events.on_forward_done, slot)
                 loop.add_reader(handle.exit_fd, self._events.on_exit, slot, handle)
             slot.acked = [0] * len(slot.ranks)
+            readies = [h.ready for h in slot.ranks if h.ready is not None]
+            slot.cache_blocks = min((r.cache_blocks for r in readies), default=0)
+            slot.block_bytes = sum(r.block_bytes for r in readies)
+            slot.generation += 1
             slot.ready = True
             slot.ring_full = False
             slot.last_forward_end_ns = 0

@@ -97,6 +97,8 @@ class WorkerHandle:
             from_worker=self.outbox.spec,
             engine_pid=os.getpid(),
             parallel=parallel or ParallelInfo(),
+            prefix_cache_bytes=config.prefix_cache_bytes,
+            block_tokens=config.prefix_block_tokens,
         )
         self._method = start_method_for(config)
 

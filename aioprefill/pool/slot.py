@@ -37,6 +37,11 @@ class WorkerSlot:
     ring_full: bool = False  # the last send found no room: wait for its next answer
     last_forward_end_ns: int = 0
     timer: asyncio.TimerHandle | None = None
+    # Prefix cache, from its ranks' Ready: slots (the fewest of any rank), bytes per block
+    # (all ranks), and which start of the group they describe (counted up at every start).
+    cache_blocks: int = 0
+    block_bytes: int = 0
+    generation: int = 0
 
     @property
     def usable(self) -> bool:

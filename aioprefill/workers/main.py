@@ -54,19 +54,32 @@ def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
         except ModuleNotFoundError as exc:  # EngineConfig checks first; this is the backstop
             raise ModuleNotFoundError(f"{exc}; PaddleModel needs {PADDLE_EXTRA_HINT}") from exc
 
-        if not grouped:
-            return PaddleRunner(spec.model, spec.worker)
-        from aioprefill.workers.collectives import PaddleGroup
+        group = None
+        if grouped:
+            from aioprefill.workers.collectives import PaddleGroup
 
-        group = PaddleGroup(place.rank, place.size, place.master, spec.collective_timeout_s)
-        return PaddleRunner(spec.model, spec.worker, group=group, mode=place.mode)
+            group = PaddleGroup(place.rank, place.size, place.master, spec.collective_timeout_s)
+        return PaddleRunner(
+            spec.model,
+            spec.worker,
+            group=group,
+            mode=place.mode if grouped else "none",
+            prefix_cache_bytes=spec.prefix_cache_bytes,
+            block_tokens=spec.block_tokens,
+        )
     from aioprefill.workers.barrier import SocketBarrier
     from aioprefill.workers.sim import SimRunner
 
-    if not grouped:
-        return SimRunner(spec.model)
-    barrier = SocketBarrier(place.rank, place.size, place.master, spec.collective_timeout_s)
-    return SimRunner(spec.model, barrier, writes_kv=place.mode != "tp" or place.rank == 0)
+    barrier = None
+    if grouped:
+        barrier = SocketBarrier(place.rank, place.size, place.master, spec.collective_timeout_s)
+    return SimRunner(
+        spec.model,
+        barrier,
+        writes_kv=not grouped or place.mode != "tp" or place.rank == 0,
+        cache_bytes=spec.prefix_cache_bytes,
+        block_tokens=spec.block_tokens,
+    )
 
 
 def _set_process_name(name: str) -> None:
@@ -125,6 +138,9 @@ def _serve(spec: protocol.WorkerSpec, inbox: Channel, outbox: Channel, started_n
         device=runner.device,
         started_ns=started_ns,
         ready_ns=time.monotonic_ns(),
+        # its prefix cache (a runner without one reports 0: the engine then plans no reads)
+        cache_blocks=getattr(runner, "cache_blocks", 0),
+        block_bytes=getattr(runner, "block_bytes", 0),
     )
     outbox.send_blocking(protocol.encode(ready))
     _serve_batches(spec, runner, inbox, outbox)

@@ -30,14 +30,16 @@ _SCORE_BUDGET = 1 << 25
 
 class KVCache:
     """One request's keys and values (after RoPE), `[kv_heads, length, head_dim]` per layer,
-    kept between the chunks of a prompt."""
+    kept between the chunks of a prompt. With a prefix cache, `tail` holds the hidden rows and
+    token ids of the block the last chunk left unfinished (`paddle_prefix.keep_tail`)."""
 
-    __slots__ = ("keys", "length", "values")
+    __slots__ = ("keys", "length", "tail", "values")
 
     def __init__(self, num_layers: int) -> None:
         self.keys: list[paddle.Tensor | None] = [None] * num_layers
         self.values: list[paddle.Tensor | None] = [None] * num_layers
         self.length = 0
+        self.tail: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @functools.lru_cache(maxsize=512)
@@ -58,13 +60,15 @@ def attend(
     layer: int,
     *,
     keep: bool,
+    tile: int | None = None,
 ) -> paddle.Tensor:
     """Attention output `[heads, end - begin, head_dim]` for rows `begin:end` of the batch.
 
     `q` is `[kv_heads, group, rows, head_dim]` (pre-scaled by head_dim^-0.5; query head
     `g*group + i` reads KV head `g`, as HF's repeat_kv), `k` and `v` are `[kv_heads, rows,
     head_dim]`. The sequence's earlier chunks come from `cache`; with `keep` its keys and values
-    so far are stored back for the next chunk.
+    so far are stored back for the next chunk. `tile` (deterministic mode): query tiles at
+    absolute positions (`_aligned`), so a row's products never depend on where its chunk starts.
     """
     kv_heads, group, _, dim = q.shape
     heads = kv_heads * group
@@ -79,6 +83,8 @@ def attend(
         cache.keys[layer] = keys.clone() if past_keys is None else keys
         cache.values[layer] = values.clone() if past_values is None else values
     past = keys.shape[1] - length
+    if tile is not None:
+        return _aligned(q[:, :, begin:end], keys, values, past, tile)
     block = max(1, min(_QUERY_BLOCK, _SCORE_BUDGET // (heads * keys.shape[1])))
     place = paddle.get_device()
     outs = []
@@ -95,6 +101,48 @@ def attend(
             scores = paddle.concat([before.reshape([heads, rows, seen]), scores], axis=-1)
         probs = F.softmax(scores, axis=-1).reshape([kv_heads, group * rows, seen + rows])
         outs.append(paddle.matmul(probs, values[:, : seen + rows]).reshape([heads, rows, dim]))
+    return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)
+
+
+def _aligned(
+    q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, past: int, tile: int
+) -> paddle.Tensor:
+    """Deterministic attention for queries at positions `past ...` (`q` [kv_heads, group,
+    rows, dim]) over `keys`/`values` [kv_heads, past + rows, dim]: the queries of positions
+    [t*tile, (t+1)*tile) run as one tile, zero-padded to `tile` rows where the chunk covers part
+    of it, against keys [0, (t+1)*tile) (zero-padded past the last), with the causal mask on the
+    diagonal square. Every product's shape and a row's place in it depend only on the row's
+    absolute position, so a prompt computed whole, in chunks or after a cached prefix gives the
+    same bits (masked keys get probability exactly 0)."""
+    kv_heads, group, rows, dim = q.shape
+    heads, total = kv_heads * group, past + rows
+    first, last = past // tile, (total - 1) // tile
+    extra = (last + 1) * tile - total
+    if extra:
+        pad = paddle.zeros([kv_heads, extra, dim], dtype=keys.dtype)
+        keys, values = paddle.concat([keys, pad], axis=1), paddle.concat([values, pad], axis=1)
+    place = paddle.get_device()
+    outs = []
+    for t in range(first, last + 1):
+        lo, hi = t * tile, (t + 1) * tile
+        qa, qb = max(lo, past), min(hi, total)
+        qt = q[:, :, qa - past : qb - past]
+        if qb - qa < tile:
+            parts = [qt]
+            if qa > lo:
+                parts.insert(0, paddle.zeros([kv_heads, group, qa - lo, dim], dtype=q.dtype))
+            if qb < hi:
+                parts.append(paddle.zeros([kv_heads, group, hi - qb, dim], dtype=q.dtype))
+            qt = paddle.concat(parts, axis=2)
+        qt = qt.reshape([kv_heads, group * tile, dim])
+        scores = paddle.matmul(qt, keys[:, lo:hi], transpose_y=True).reshape([heads, tile, tile])
+        scores = scores + _triangle(heads, tile, scores.dtype, place)
+        if lo:
+            before = paddle.matmul(qt, keys[:, :lo], transpose_y=True)
+            scores = paddle.concat([before.reshape([heads, tile, lo]), scores], axis=-1)
+        probs = F.softmax(scores, axis=-1).reshape([kv_heads, group * tile, hi])
+        out = paddle.matmul(probs, values[:, :hi]).reshape([heads, tile, dim])
+        outs.append(out[:, qa - lo : qb - lo] if qb - qa < tile else out)
     return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)
 
 

@@ -31,12 +31,25 @@ from aioprefill.workers.paddle_norm import RmsNorm
 from aioprefill.workers.paddle_shard import Shard
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
-__all__ = ["OutputHead", "host"]
+__all__ = ["Cached", "OutputHead", "Prefixes", "host"]
 
 # Prompt log-probabilities run the head over many rows: at most this many at a time (without
 # deterministic tiles), so a long prompt's [rows, vocab] logits stay ~64 MB.
 _MAX_ROWS = 512
 _EMBED = protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN
+
+
+class Cached(NamedTuple):
+    """A chunk's cached positions [0, n): their hidden rows [n, hidden] (before the final norm)
+    and token ids int32[n], and, when the slots kept them, the prompt outputs of each token
+    (logprob float32[n], top-k ids int32[n, k] and logprobs float32[n, k]; token 0's unused)."""
+
+    hidden: paddle.Tensor
+    tokens: np.ndarray
+    scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+
+
+Prefixes = dict[int, Cached]  # by batch index
 
 
 class _Rows(NamedTuple):
@@ -94,13 +107,19 @@ class OutputHead:
 
     # ------------------------------------------------------------------ the batch
 
-    def __call__(self, x: paddle.Tensor, batch: ForwardBatch) -> ForwardOutput:
-        """Outputs for a forward whose final hidden states (before the norm) are `x`."""
+    def __call__(
+        self, x: paddle.Tensor, batch: ForwardBatch, prefixes: Prefixes | None = None
+    ) -> ForwardOutput:
+        """Outputs for a forward whose final hidden states (before the norm) are `x`.
+        `prefixes`: per batch index of a chunk that read cached blocks, the hidden rows and
+        token ids of those positions; its outputs cover them as if it had computed them."""
         offsets = batch.offsets.astype(np.int64)
         rids = batch.request_ids.tolist()
-        self.free([rid for rid, s in zip(rids, batch.start_pos.tolist(), strict=True) if s == 0])
-        plp, p_ids, p_lps = self._prompt_logprobs(x, batch, offsets, rids)
-        self._mean_sums(x, batch, offsets, rids)
+        prefixes = prefixes or {}
+        starts = batch.start_pos.tolist()
+        self.free([rid for i, rid in enumerate(rids) if starts[i] == 0 or i in prefixes])
+        plp, p_ids, p_lps = self._prompt_logprobs(x, batch, offsets, rids, prefixes)
+        self._mean_sums(x, batch, offsets, rids, prefixes)
         done = np.flatnonzero(batch.is_last)
         if len(done) == 0:
             empty = np.empty(0, dtype=np.int64)
@@ -147,10 +166,16 @@ class OutputHead:
         )
 
     def _prompt_logprobs(
-        self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray, rids: list[int]
+        self,
+        x: paddle.Tensor,
+        batch: ForwardBatch,
+        offsets: np.ndarray,
+        rids: list[int],
+        prefixes: Prefixes,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """float32, per chunk that asked, back to back: log p(token j | tokens < j) for each of
-        the chunk's tokens that has a predecessor (the first chunk's first token has none); and
+        the chunk's tokens that has a predecessor (the first chunk's first token has none; a
+        chunk after cached blocks answers for those positions too, from their hidden rows); and
         for the chunks with OPT_PROMPT_TOP_K, their `top_k` best ids / logprobs at those rows.
         Rows with and without top-k go through the head apart (top-k only where asked; every
         result is per row, so the split changes no value)."""
@@ -158,12 +183,22 @@ class OutputHead:
         wants_top = batch.has(protocol.OPT_PROMPT_TOP_K)
         top_k = batch.top_k_of()
         groups: dict[bool, tuple[list[paddle.Tensor], list[np.ndarray]]] = {}
-        sizes: list[tuple[bool, int, int]] = []  # per asked chunk: (top-k?, rows, k)
+        # per asked chunk: (top-k?, rows, k, values kept in the cache for its first rows)
+        sizes: list[tuple[bool, int, int, tuple[np.ndarray, ...] | None]] = []
         for i in asked.tolist():
             a, b = int(offsets[i]), int(offsets[i + 1])
             parts, targets = groups.setdefault(bool(wants_top[i]), ([], []))
             carried = self._carry.pop(rids[i], None)
-            rows = 0
+            rows, kept = 0, None
+            if i in prefixes:  # cached positions: kept values, or the head on their hidden rows
+                hidden, tokens, scores = prefixes[i]
+                if scores is not None:
+                    kept = tuple(a[1:] for a in scores)
+                elif len(tokens) > 1:
+                    parts.append(hidden[:-1])
+                    targets.append(tokens[1:])
+                    rows += len(tokens) - 1
+                carried = hidden[-1:]
             if carried is not None:  # the previous chunk's last row predicts this chunk's first
                 parts.append(carried)
                 targets.append(batch.tokens[a : a + 1])
@@ -174,17 +209,22 @@ class OutputHead:
                 rows += b - a - 1
             if not batch.is_last[i]:
                 self._carry[rids[i]] = x[b - 1 : b].clone()
-            sizes.append((bool(wants_top[i]), rows, int(top_k[i])))
+            sizes.append((bool(wants_top[i]), rows, int(top_k[i]), kept))
         done: dict[bool, _Rows] = {}
         for top, (parts, targets) in groups.items():
             if parts:
                 h = paddle.concat(parts) if len(parts) > 1 else parts[0]
-                kmax = max(k for t, _, k in sizes if t) if top else 0
+                kmax = max(k for t, _, k, _ in sizes if t) if top else 0
                 done[top] = self._rows(h, kmax, np.concatenate(targets).astype(np.int64))[1]
         plps, ids, lps, at = [], [], [], {False: 0, True: 0}
-        for top, rows, k in sizes:
+        for top, rows, k, kept in sizes:
             r, lo = done.get(top), at[top]
             at[top] = lo + rows
+            if kept is not None:
+                plps.append(kept[0])
+                if top:
+                    ids.append(kept[1].ravel())
+                    lps.append(kept[2].ravel())
             if r is None or not rows:
                 continue
             assert r.picked is not None
@@ -200,21 +240,35 @@ class OutputHead:
         )
 
     def _mean_sums(
-        self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray, rids: list[int]
+        self,
+        x: paddle.Tensor,
+        batch: ForwardBatch,
+        offsets: np.ndarray,
+        rids: list[int],
+        prefixes: Prefixes,
     ) -> None:
-        """Add each mean-pooling chunk's final-norm rows to its request's float64 sum."""
+        """Add each mean-pooling chunk's final-norm rows (after its cached positions' rows) to
+        its request's float64 sum, one row after the other in position order, so a prompt
+        summed whole, in chunks or after cached blocks gets the same bits."""
         if batch.options is None:
             return
         for i in np.flatnonzero(batch.has(protocol.OPT_EMBED_MEAN)).tolist():
             a, b = int(offsets[i]), int(offsets[i + 1])
-            rows = self._rms_norm(x[a:b], self._norm, self._eps)
-            total: np.ndarray
-            if rows.place.is_cpu_place():  # summed in float64 without a float64 copy
-                total = np.asarray(np.sum(host(rows), axis=0, dtype=np.float64))
-            else:  # on the device: only the sum comes back
-                total = rows.astype("float64").sum(axis=0).numpy()
             rid = rids[i]
-            self._sums[rid] = total if rid not in self._sums else self._sums[rid] + total
+            chunks = [x[a:b]] if i not in prefixes else [prefixes[i][0], x[a:b]]
+            for h in chunks:
+                rows = self._rms_norm(h, self._norm, self._eps)
+                total: np.ndarray
+                if rows.place.is_cpu_place():  # summed in float64 without a float64 copy
+                    if rid in self._sums:  # NumPy adds the rows of axis 0 in order
+                        both = [self._sums[rid][None], host(rows).astype(np.float64)]
+                        total = np.sum(np.concatenate(both), axis=0)
+                    else:
+                        total = np.asarray(np.sum(host(rows), axis=0, dtype=np.float64))
+                else:  # on the device: only the sum comes back
+                    total = rows.astype("float64").sum(axis=0).numpy()
+                    total = total if rid not in self._sums else self._sums[rid] + total
+                self._sums[rid] = total
 
     # ------------------------------------------------------------------ rows of the head
 

@@ -58,8 +58,10 @@ from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle_norm import rms_norm_for  # noqa: E402
+from aioprefill.workers.paddle_prefix import PrefixForward, keep_tail  # noqa: E402
 from aioprefill.workers.paddle_shard import Shard  # noqa: E402
 from aioprefill.workers.paddle_weights import Layer, load_to_device, rope_tables  # noqa: E402
+from aioprefill.workers.prefix_blocks import BatchPlan, BlockStore  # noqa: E402
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402
 
 __all__ = ["PaddleRunner"]
@@ -68,6 +70,8 @@ __all__ = ["PaddleRunner"]
 # LM head this many (it is wide: 32000 columns; padding it to 64 rows would cost ~13 ms on CPU).
 _TILE_ROWS = 64
 _HEAD_TILE_ROWS = 16
+# ... and attention runs queries in tiles of this many absolute positions (paddle_attention).
+_ATTN_TILE = 64
 
 
 def _pick_device(spec: PaddleModel, worker_index: int) -> str:
@@ -87,6 +91,9 @@ class PaddleRunner:
     Weights come from `spec.weights` (safetensors, HF names) or `random_weights(spec, spec.seed)`.
     `forward` raises ValueError for a batch it cannot run (bad token ids, a chunk that does not
     continue what this runner holds) before running anything.
+
+    `prefix_cache_bytes` > 0 keeps that many bytes of prefix-cache slots (`prefix_blocks`):
+    `cache_blocks` slots of `block_bytes` each, which the batches' plans read and write.
     """
 
     device: str
@@ -97,6 +104,9 @@ class PaddleRunner:
         worker_index: int = 0,
         group: PaddleGroup | None = None,
         mode: ParallelMode = "none",
+        *,
+        prefix_cache_bytes: int = 0,
+        block_tokens: int = 16,
     ) -> None:
         self.spec = spec
         # parallel: this rank's share of the model (all of it alone), see paddle_shard
@@ -132,6 +142,16 @@ class PaddleRunner:
             shard=self._shard,
         )
         self._kv_share = self._shard.kv_share()  # parallel: this rank's KV heads of an export
+        shape = {
+            "num_layers": spec.num_layers,
+            "kv_heads": self._shard.kv_heads,
+            "head_dim": spec.head_dim,
+            "hidden_size": spec.hidden_size,
+            "block_tokens": block_tokens,
+        }
+        self.block_bytes = BlockStore.block_bytes(**shape)
+        self.cache_blocks = max(0, prefix_cache_bytes) // self.block_bytes
+        self._store = BlockStore(self.cache_blocks, **shape) if self.cache_blocks else None
         self._exports = KVWriters()  # KV exports the running forward writes
 
     # ------------------------------------------------------------------ public interface
@@ -189,8 +209,15 @@ class PaddleRunner:
                 f"position {int(ends.max())} past the model's {self.spec.max_prompt_tokens} "
                 "(max_position_embeddings or sliding_window)"
             )
-        for rid, start in zip(batch.request_ids.tolist(), batch.start_pos.tolist(), strict=True):
-            if start == 0:
+        plan = BatchPlan.of(batch)
+        if plan is not None:
+            if self._store is None:
+                raise ValueError("a batch reads or writes prefix-cache slots, but none are kept")
+            plan.check(batch, self._store.num_blocks, self._store.block_tokens)
+        for i, (rid, start) in enumerate(
+            zip(batch.request_ids.tolist(), batch.start_pos.tolist(), strict=True)
+        ):
+            if start == 0 or (plan is not None and len(plan.reads[i])):
                 self._cache.pop(rid, None)  # a restart of a prompt drops any stale chunks
                 continue
             have = self._cache.get(rid)
@@ -229,6 +256,7 @@ class PaddleRunner:
         ids = np.zeros(rows, dtype=np.int64)
         ids[:total] = batch.tokens
         x = F.embedding(paddle.to_tensor(ids), self._embed)
+        starts = batch.start_pos.tolist()
         # Paddle's CPU kernels are slow at broadcasting (~10x), so the RoPE tables are copied
         # out to the full [heads + kv_heads, rows, dim] shape once per forward.
         pos = paddle.to_tensor(positions)
@@ -238,10 +266,16 @@ class PaddleRunner:
 
         request_ids = batch.request_ids.tolist()
         is_last = batch.is_last.tolist()
+        plan = BatchPlan.of(batch)
+        fresh = [not s or (plan is not None and len(plan.reads[i])) for i, s in enumerate(starts)]
         caches = [
-            self._cache[rid] if start else KVCache(spec.num_layers)
-            for rid, start in zip(request_ids, batch.start_pos.tolist(), strict=True)
+            KVCache(spec.num_layers) if new else self._cache[rid]
+            for rid, new in zip(request_ids, fresh, strict=True)
         ]
+        prefix = (
+            None if plan is None or self._store is None else PrefixForward(self._store, plan, batch)
+        )
+        tile = _ATTN_TILE if self._deterministic else None
         bounds = list(itertools.pairwise(offsets.tolist()))
         exports = self._exports = open_writers(batch, kv_layout(spec), self._kv_share)
         eps, rms_norm = spec.rms_norm_eps, self._rms_norm
@@ -264,12 +298,13 @@ class PaddleRunner:
             qk = qk * cos + paddle.roll(qk, dim // 2, axis=-1) * sin
             q = qk[:heads].reshape([kv_heads, heads // kv_heads, rows, dim])
             k, v = qk[heads:], qkv[qk_heads:]
-            for i, writer in exports.items():  # before attend() extends the cache
-                export_layer(writer, index, caches[i], k, v, *bounds[i])
-            outs = [
-                attend(q, k, v, a, b, cache, index, keep=not last)
-                for (a, b), cache, last in zip(bounds, caches, is_last, strict=True)
-            ]
+            outs = []
+            for i, ((a, b), cache, last) in enumerate(zip(bounds, caches, is_last, strict=True)):
+                if prefix is not None:  # cached K/V in, completed blocks out, in batch order
+                    prefix.at_layer(index, i, cache, k, v)
+                if i in exports:  # before attend() extends the cache
+                    export_layer(exports[i], index, cache, k, v, a, b)
+                outs.append(attend(q, k, v, a, b, cache, index, keep=not last, tile=tile))
             if rows > total:
                 outs.append(paddle.zeros([heads, rows - total, dim], dtype=x.dtype))
             attn = paddle.concat(outs, axis=1).transpose([1, 0, 2]).reshape([rows, heads * dim])
@@ -277,19 +312,26 @@ class PaddleRunner:
             h = rms_norm(x, layer.post_norm, eps)
             x = x + self._shard.reduce(self._mlp(h, layer))
 
+        prefixes = {} if prefix is None else prefix.after_layers(x, batch, caches)
         ends = (batch.start_pos + lens).tolist()
-        for rid, cache, last, end in zip(request_ids, caches, is_last, ends, strict=True):
+        for i, (rid, cache, last) in enumerate(zip(request_ids, caches, is_last, strict=True)):
             if last:
                 self._cache.pop(rid, None)
-            else:
-                cache.length = end
-                self._cache[rid] = cache
-        out = self._head(x, batch, offsets)
+                continue
+            if self._store is not None:  # the unfinished block, for the next chunk's write
+                keep_tail(
+                    cache,
+                    x,
+                    batch.tokens,
+                    bounds[i][0],
+                    starts[i],
+                    ends[i],
+                    self._store.block_tokens,
+                )
+            cache.length = ends[i]
+            self._cache[rid] = cache
+        out = self._outputs(x, batch, prefixes)
+        if prefix is not None:
+            prefix.keep_scores(batch, out)
         exports.close()
         return out
-
-    def _head(self, x: paddle.Tensor, batch: ForwardBatch, offsets: np.ndarray) -> ForwardOutput:
-        """Greedy token and log-probability of each finished request, plus the outputs its
-        options ask for: `paddle_head.OutputHead` (`offsets` are `batch.offsets`)."""
-        del offsets
-        return self._outputs(x, batch)

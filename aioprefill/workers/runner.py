@@ -13,6 +13,11 @@ Output options ride along per request (`options`: `OPT_*` bits from `aioprefill.
 - with `OPT_PROMPT_TOP_K` besides, the request's `top_k` best tokens at each of those positions
   (ids and log-probabilities, `top_k` values per prompt logprob, best first);
 - top-k, embeddings and the KV export: once, with the chunk that ends the prompt.
+
+A chunk that reads cached blocks (`read_slots`, starting at `len(reads) * block_tokens`)
+answers as if it had computed them: its prompt log-probabilities (and prompt top-k) cover every
+position from 1 (`end - 1` values, cached positions included), its mean embedding and KV export
+the whole prompt.
 """
 
 from __future__ import annotations
@@ -95,6 +100,10 @@ class ForwardOutput:
 
 
 class ModelRunner(Protocol):
+    """A worker's model. A runner with a prefix cache also has `cache_blocks` (its slots,
+    0..n-1) and `block_bytes` (bytes per slot), which the worker reports in `Ready`; one
+    without them reports 0 and is never sent cache reads or writes."""
+
     device: str
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput: ...

@@ -10,6 +10,14 @@ alone (so batch- and chunk-invariant), with the shapes and types a real model gi
 `sim_*` functions below say what a `SimModel` worker returns; the KV export has the shape of
 `aioprefill.kv.SIM_KV_LAYOUT` and the embedding `SIM_EMBED_DIM` values.
 
+Its prefix cache has the slots a real worker would have for the same budget (`cache_blocks`:
+`prefix_cache_bytes // (block_tokens * SimModel.kv_bytes_per_token)`); as its "KV", a slot
+holds its block's token ids and the CRC32 of the prompt up to the block's end. A chunk that
+reads slots continues from them (their tokens stand in for the prefix it did not receive, the
+last slot's CRC is where its own continues), so its outputs equal the whole prompt's, and a
+wrong read (an engine bookkeeping bug) gives a wrong answer. Its cost charges the computed
+tokens plus attention over the cached ones (`SimModel.forward_seconds`).
+
 As a rank of a tensor- or expert-parallel group it meets its peers at a real barrier after
 every forward (`SocketBarrier`), so a step costs what the slowest rank costs and a rank that
 skips a step blocks the others, as the collectives of a real model would. An empty batch (what
@@ -32,6 +40,7 @@ from aioprefill.models import SimModel
 from aioprefill.workers.barrier import SocketBarrier
 from aioprefill.workers.kv_writer import KVWriters, open_writers
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
+from aioprefill.workers.sim_cache import SimBlocks, slots_of
 
 __all__ = [
     "SIM_EMBED_DIM",
@@ -151,10 +160,20 @@ class SimRunner:
     device = "sim"
 
     def __init__(
-        self, spec: SimModel, barrier: SocketBarrier | None = None, *, writes_kv: bool = True
+        self,
+        spec: SimModel,
+        barrier: SocketBarrier | None = None,
+        *,
+        writes_kv: bool = True,
+        cache_bytes: int = 0,
+        block_tokens: int = 16,
     ) -> None:
         self.spec = spec
         self.barrier = barrier
+        self.block_tokens = block_tokens
+        self.block_bytes = block_tokens * spec.kv_bytes_per_token
+        self.cache_blocks = cache_bytes // self.block_bytes
+        self._blocks = SimBlocks(self.cache_blocks, block_tokens)
         # A tensor-parallel rank > 0 leaves KV exports to rank 0: the values are the same, and
         # two ranks creating one segment race (one may map it before the other has sized it).
         self.writes_kv = writes_kv
@@ -163,7 +182,10 @@ class SimRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         seq_lens = batch.seq_lens()
         self._inject_faults(batch.tokens)
-        time.sleep(self.spec.forward_seconds(seq_lens.tolist()))
+        cached = None
+        if batch.read_offsets is not None:
+            cached = (np.diff(batch.read_offsets) * self.block_tokens).tolist()
+        time.sleep(self.spec.forward_seconds(seq_lens.tolist(), cached))
         if self.barrier is not None:
             out_of_step = self.spec.fail_rank >= 0
             if out_of_step and self.barrier.rank == self.spec.fail_rank:
@@ -173,7 +195,7 @@ class SimRunner:
                 self._inject_failure(batch.tokens)  # after the barrier: the group stays in step
             if self.barrier.rank == self.spec.slow_rank:
                 time.sleep(self.spec.slow_rank_ms * 1e-3)
-        if batch.options is None and batch.top_k is None:
+        if batch.options is None and batch.top_k is None and batch.read_offsets is None:
             return self._plain(batch)
         return self._with_options(batch)
 
@@ -196,6 +218,8 @@ class SimRunner:
             else:
                 state = state or _State()
                 state.crc = crc
+                if self.cache_blocks:  # a later chunk may write a block this one started
+                    state.tokens.append(chunk)
                 self._partial[rid] = state
         return ForwardOutput(
             request_ids=np.asarray(ids, dtype=np.int64),
@@ -215,14 +239,21 @@ class SimRunner:
                 rid = int(batch.request_ids[i])
                 chunk = batch.tokens[offsets[i] : offsets[i + 1]]
                 start = int(batch.start_pos[i])
-                state = self._partial.pop(rid, None) if start else None
-                state = state or _State()
+                reads = slots_of(batch.read_offsets, batch.read_slots, i)
+                if len(reads):  # outputs cover the prompt from 0: the cached ids come first
+                    cached_ids, crc = self._blocks.read(reads)
+                    seg, seg_start, state = np.concatenate([cached_ids, chunk]), 0, _State(crc)
+                else:
+                    seg, seg_start = chunk, start
+                    kept = self._partial.pop(rid, None) if start else None
+                    state = kept or _State()
+                crc_before = state.crc
                 opts = 0 if options is None else int(options[i])
                 if opts & protocol.OPT_PROMPT_LOGPROBS:
-                    prev = np.concatenate([[state.last_token], chunk[:-1]])
-                    pos = np.arange(start, start + len(chunk))
-                    skip = 1 if start == 0 else 0
-                    plps.append(_pair_logprobs(prev, chunk, pos)[skip:])
+                    prev = np.concatenate([[state.last_token], seg[:-1]])
+                    pos = np.arange(seg_start, seg_start + len(seg))
+                    skip = 1 if seg_start == 0 else 0
+                    plps.append(_pair_logprobs(prev, seg, pos)[skip:])
                     if opts & protocol.OPT_PROMPT_TOP_K:
                         k, vocab = int(top_k[i]), self.spec.vocab_size
                         pk = _pair_top_k(prev[skip:], pos[skip:], k, vocab)
@@ -232,11 +263,16 @@ class SimRunner:
                 state.last_token = int(chunk[-1])
                 vectors = None
                 if opts & (protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN):
-                    vectors = _token_vectors(chunk, start)
+                    vectors = _token_vectors(seg, seg_start)
                     add = vectors.sum(axis=0)
                     state.embed_sum = add if state.embed_sum is None else state.embed_sum + add
-                if opts & protocol.OPT_RETURN_KV:
-                    state.tokens.append(chunk)
+                if opts & protocol.OPT_RETURN_KV or self.cache_blocks:
+                    state.tokens.append(seg)
+                writes = slots_of(batch.write_offsets, batch.write_slots, i)
+                if len(writes):
+                    assert batch.write_first is not None
+                    first = int(batch.write_first[i])
+                    self._write(writes, first, state.tokens, start, chunk, crc_before)
                 if not batch.is_last[i]:
                     self._partial[rid] = state
                     continue
@@ -268,6 +304,26 @@ class SimRunner:
             prompt_top_k_ids=np.concatenate(p_ids) if p_ids else np.empty(0, np.int32),
             prompt_top_k_logprobs=np.concatenate(p_lps) if p_lps else np.empty(0, np.float32),
         )
+
+    def _write(
+        self,
+        slots: np.ndarray,
+        first: int,
+        parts: list[np.ndarray],
+        start: int,
+        chunk: np.ndarray,
+        crc: int,
+    ) -> None:
+        """Store prompt blocks first, first+1, ... (each ends inside this chunk, which starts
+        at `start` with the prompt's CRC32 `crc`) in `slots`; `parts`: the prompt so far."""
+        size = self.block_tokens
+        prompt = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        pos = start
+        for j, slot in enumerate(slots.tolist()):
+            end = (first + j + 1) * size
+            crc = zlib.crc32(chunk[pos - start : end - start].tobytes(), crc)
+            pos = end
+            self._blocks.write(slot, prompt[end - size : end], crc)
 
     def _inject_failure(self, tokens: np.ndarray) -> None:
         if self.spec.fail_token >= 0 and np.any(tokens == self.spec.fail_token):

@@ -17,6 +17,7 @@ from tests.reliability.util import sim
         ({"kv_store": "redis"}, "EngineConfig.kv_store"),
         ({"kv_store": True}, "EngineConfig.kv_store"),
         ({"kv_store_options": {"master": "x:1"}}, "EngineConfig.kv_store_options"),
+        ({"kv_store": "mooncake", "prefix_cache_bytes": 0}, "prefix_cache_bytes > 0"),
     ],
 )
 def test_engine_config_refuses_bad_store_fields(fields, match):

@@ -24,6 +24,11 @@ class Step(msgspec.Struct):
     options: list[int] | None = None  # OPT_* bits per request
     top_k: list[int] | None = None
     kv_names: list[str] = []  # one per request with OPT_RETURN_KV, batch order
+    # prefix cache plan per request (tests.model.prefix.planned): slots read, slots written,
+    # the first block written
+    reads: list[list[int]] | None = None
+    writes: list[list[int]] | None = None
+    first: list[int] | None = None
 
 
 class Out(msgspec.Struct):
@@ -43,6 +48,7 @@ class Job(msgspec.Struct):
     spec: PaddleModel
     mode: str  # "tp" | "ep"
     steps: list[list[Step]]  # [rank][step]; TP ranks all get the same steps
+    prefix_cache_bytes: int = 0
 
 
 EMPTY = ForwardBatch(
@@ -65,6 +71,10 @@ def forward(runner, step: Step) -> Out:
             batch = dataclasses.replace(
                 batch, options=options, top_k=top_k, kv_names=tuple(step.kv_names)
             )
+        if step.reads is not None or step.writes is not None:
+            from tests.model.prefix import planned
+
+            batch = planned(batch, step.reads, step.writes, step.first)
     else:
         batch = EMPTY
     try:
@@ -94,7 +104,9 @@ def run_job(rank: int, size: int, master: str, arg: bytes) -> bytes:
     job = msgspec.msgpack.decode(arg, type=Job)
     group = PaddleGroup(rank, size, master, timeout=60.0)
     try:
-        runner = PaddleRunner(job.spec, group=group, mode=job.mode)
+        runner = PaddleRunner(
+            job.spec, group=group, mode=job.mode, prefix_cache_bytes=job.prefix_cache_bytes
+        )
         return msgspec.msgpack.encode([forward(runner, s) for s in job.steps[rank]])
     finally:
         group.close()

@@ -8,11 +8,13 @@ scheduler's invariants after every event. No processes, no rings, no event loop.
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 from dataclasses import dataclass, field
 
 from aioprefill.batching import Budget, Chunk, Columns, Request
 from aioprefill.policies import DispatchPolicy, policy_class
+from aioprefill.prefix import PrefixCache
 from aioprefill.scheduler import Scheduler
 
 
@@ -23,6 +25,8 @@ class FakeBatch:
     spans: list[tuple[int, int]]  # (start, end) per request: the chunk it carries
     backlogged: bool
     chunks: list[Chunk] = field(default_factory=list)
+    cache: tuple[bytes, ...] | None = None  # the prefix cache columns it carried
+    pins: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +41,9 @@ class FakeGroup:
     ring_full: bool = False
     in_flight: deque[FakeBatch] = field(default_factory=deque)
     freed: list[int] = field(default_factory=list)
+    cache_blocks: int = 0  # prefix cache slots (with Harness(cache_blocks=...))
+    block_bytes: int = 64
+    generation: int = 1
 
     @property
     def usable(self) -> bool:
@@ -44,8 +51,8 @@ class FakeGroup:
 
 
 class FakePool:
-    def __init__(self, num_groups: int, capacity: int = 1 << 30) -> None:
-        self.slots = [FakeGroup(i, capacity) for i in range(num_groups)]
+    def __init__(self, num_groups: int, capacity: int = 1 << 30, cache_blocks: int = 0) -> None:
+        self.slots = [FakeGroup(i, capacity, cache_blocks=cache_blocks) for i in range(num_groups)]
         self.sent: list[FakeBatch] = []
 
     def send(self, group: int, columns: Columns, *, backlogged: bool) -> FakeBatch | None:
@@ -57,7 +64,7 @@ class FakePool:
         spans = [
             (s, s + (len(part) >> 2)) for s, part in zip(starts, columns.token_parts, strict=True)
         ]
-        batch = FakeBatch(group, list(columns.ids), spans, backlogged)
+        batch = FakeBatch(group, list(columns.ids), spans, backlogged, cache=columns.cache)
         g.in_flight.append(batch)
         self.sent.append(batch)
         return batch
@@ -91,10 +98,14 @@ class Harness:
         max_batch_size: int = 8,
         batch_timeout_ms: float = 10.0,
         expert_parallel: bool = False,
+        cache_blocks: int = 0,
+        block_tokens: int = 4,
     ) -> None:
         cls = policy_class(policy, expert_parallel=expert_parallel)
-        self.sched = Scheduler(Budget(max_batch_tokens, max_batch_size), staging=cls.staging)
-        self.pool = FakePool(groups, capacity)
+        cache = PrefixCache(groups, block_tokens) if cache_blocks else None
+        budget = Budget(max_batch_tokens, max_batch_size)
+        self.sched = Scheduler(budget, staging=cls.staging, cache=cache)
+        self.pool = FakePool(groups, capacity, cache_blocks)
         self.timer = FakeTimer()
         self.policy: DispatchPolicy = cls(
             self.sched, self.pool, self.timer, batch_timeout_ms=batch_timeout_ms
@@ -105,9 +116,13 @@ class Harness:
     def check(self) -> None:
         self.sched.check_invariants(self.pool.in_flight_batches())
 
-    def arrive(self, num_tokens: int, *, at_ns: int | None = None) -> Request:
+    def arrive(
+        self, num_tokens: int = 0, *, at_ns: int | None = None, ids: list[int] | None = None
+    ) -> Request:
+        """A request of `num_tokens` zeros, or of the token `ids` given."""
         self._now = self._now + 1 if at_ns is None else at_ns
-        req = self.sched.submit(bytes(4 * num_tokens), self._now, None)
+        tokens = bytes(4 * num_tokens) if ids is None else struct.pack(f"<{len(ids)}i", *ids)
+        req = self.sched.submit(tokens, self._now, None)
         self.policy.on_arrival()
         self.check()
         return req
@@ -120,7 +135,7 @@ class Harness:
             self.policy.on_answer_waiting(group)
         batch = g.in_flight.popleft()
         g.ring_full = False
-        free = self.sched.release(batch.chunks)
+        free = self.sched.answered(batch)
         if free >= 0:
             g.freed.append(free)
         if self.sched.num_pending:

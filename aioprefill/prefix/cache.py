@@ -1,0 +1,138 @@
+"""`PrefixCache`: what every worker group's prefix cache holds, as the engine decided it.
+
+One `BlockIndex` per worker group (pool slot), the hashing settings, the counters behind
+`engine.stats().prefix_cache`, and the observer told of every block stored, evicted or lost.
+The `Scheduler` owns it: it hashes a prompt once at submit (`hashes`), asks for a `BatchPlan`
+each time it forms a batch for a group (`plan`), releases a batch's pins with its answer
+(`release`) and drops a group's index when the group dies (`drop`).
+
+Routing (several data-parallel groups): a request goes to the group that forms a batch next
+(the forward-gated principle: a group whose forward ended takes the oldest work), unless another
+group holds `gain` more tokens of its prompt and has fewer than `gain` tokens in flight: it then
+waits for that group, since waiting costs at most what that group still computes while the
+extra hit saves `gain` tokens of compute. A group never stays idle because of this: when every
+waiting request would rather wait for a busy group, the idle group takes them anyway (only a
+request another *idle* group prefers is left to it, and that group takes it in the same round).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from aioprefill.prefix.hashing import block_hashes
+from aioprefill.prefix.index import BlockIndex, CacheObserver
+from aioprefill.prefix.plan import BatchPlan, Pins
+
+__all__ = ["PrefixCache", "PrefixCacheStats"]
+
+
+class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
+    """`engine.stats().prefix_cache`. Counters (`queried_tokens`, `hit_tokens`, `evictions`)
+    only grow, across worker deaths and restarts; `blocks` and `bytes` are what the workers
+    hold now (every rank of a tensor-parallel group counted in `bytes`)."""
+
+    queried_tokens: int = 0  # prompt tokens of every first chunk planned against a cache
+    hit_tokens: int = 0  # of those, read from the cache (piggyback reads included)
+    blocks: int = 0
+    bytes: int = 0
+    evictions: int = 0
+    capacity_blocks: int = 0  # slots over every group that reported a cache
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        num_groups: int,
+        block_tokens: int,
+        *,
+        max_read_blocks: int = 1 << 14,
+        observer: CacheObserver | None = None,
+    ) -> None:
+        self.block_tokens = block_tokens
+        self.max_read_blocks = max_read_blocks  # per batch: its frame must fit the ring
+        self.indexes = [BlockIndex() for _ in range(num_groups)]
+        self._generation = [-1] * num_groups  # the start of each group its index describes
+        self.observer = observer
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.evictions = 0
+
+    def hashes(self, tokens: bytes, salt: str | None) -> list[int] | None:
+        """The prompt's block hashes (None when it has no full block)."""
+        return block_hashes(tokens, self.block_tokens, salt) or None
+
+    def plan(self, group: int, slots: Sequence[Any], *, route: bool = False) -> BatchPlan | None:
+        """A plan for the next batch of `group` (None when it keeps no cache). `slots`: the
+        pool's groups (`cache_blocks`, `block_bytes`, `generation`, `usable`, `in_flight`);
+        with `route` and several groups, the plan may leave requests to another group."""
+        slot = slots[group]
+        index = self.indexes[group]
+        if slot.generation != self._generation[group]:  # (re)started: adopt its slot count
+            self.drop(group)
+            self._generation[group] = slot.generation
+            index.reset(slot.cache_blocks, slot.block_bytes)
+        if not index.num_blocks:
+            return None
+        waits = None
+        if route and len(slots) > 1:
+            waits = [sum(b.num_tokens for b in s.in_flight) if s.usable else None for s in slots]
+        return BatchPlan(self, group, index, waits)
+
+    def release(self, pins: Pins) -> None:
+        """A batch's answer (or failure) came back: its slots may be evicted again, the
+        chain's last blocks first. Ignored if the group lost its index since."""
+        index = self.indexes[pins.group]
+        if index.epoch == pins.epoch:
+            unpin = index.unpin
+            for slot in reversed(pins.slots):
+                unpin(slot)
+
+    def drop(self, group: int) -> None:
+        """The group died or restarts: forget everything it held (never read from it again)."""
+        index = self.indexes[group]
+        had = len(index)
+        index.reset(0, index.block_bytes)
+        if had and self.observer is not None:
+            self.observer.cleared(group)
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            queried_tokens=self.queried_tokens,
+            hit_tokens=self.hit_tokens,
+            blocks=sum(len(ix) for ix in self.indexes),
+            bytes=sum(len(ix) * ix.block_bytes for ix in self.indexes),
+            evictions=self.evictions,
+            capacity_blocks=sum(ix.num_blocks for ix in self.indexes),
+        )
+
+    def check(self, pins: Iterable[Pins | None]) -> None:
+        """Recount every index, and its pins against the batches in flight (AssertionError)."""
+        expected: list[Counter[int]] = [Counter() for _ in self.indexes]
+        for p in pins:
+            if p is not None and self.indexes[p.group].epoch == p.epoch:
+                expected[p.group].update(p.slots)
+        for group, index in enumerate(self.indexes):
+            index.check()
+            held = {s: n for s, n in enumerate(index.pins) if n}
+            if held != dict(expected[group]):
+                raise AssertionError(
+                    f"prefix index of group {group}: pins {held} but batches in flight "
+                    f"hold {dict(expected[group])}"
+                )
+
+
+def prefix_cache_for(config: Any) -> PrefixCache | None:
+    """The engine's `PrefixCache` for an `EngineConfig` (None when `prefix_cache_bytes` is 0):
+    one index per worker group; a batch reads at most 1/16 of the ring in slot ids."""
+    if not config.prefix_cache_bytes:
+        return None
+    max_reads = max(64, config.effective_ring_capacity() // 64)
+    return PrefixCache(config.num_workers, config.prefix_block_tokens, max_read_blocks=max_reads)

@@ -1,0 +1,159 @@
+"""`BlockIndex`: which of one worker's cache slots holds which block, as the engine decided.
+
+The worker (every rank of a tensor-parallel group alike; each expert-parallel rank for
+itself) has `num_blocks` slots and never chooses what goes where: the engine does, here, when it
+plans a batch, and the batch carries the decision. Because a worker runs its batches in order,
+the index is exact the moment a batch is sent.
+
+- `slot_of`: block hash -> slot, for every block the worker holds (or that a batch already
+  sent, or being formed, writes).
+- pins: a slot read or written by a batch in flight (or being formed) is pinned until that
+  batch's answer (or the worker's death) comes back; a pinned slot is never chosen for a write.
+- LRU: the unpinned held slots, least recently used first. A batch releases its slots in reverse
+  (a chain's last block first), so a chain's last block is evicted before its parents: a prefix
+  stays reachable as long as possible.
+- free slots are used before anything is evicted.
+
+`clear()` forgets everything (the worker died or restarted: nothing is ever read from it
+again); the `epoch` it bumps makes late releases of pins taken before it harmless.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+__all__ = ["BlockIndex", "CacheObserver"]
+
+
+class CacheObserver(Protocol):
+    """Told what a worker's cache holds as the engine decides it (vLLM-style KV events).
+
+    `stored` lists consecutive blocks of one prompt, parents first (`parent_hash`: the block
+    before the first, None at the prompt's start; `token_ids`: all their ids, in order);
+    `removed`: blocks evicted; `cleared`: the worker lost everything (death, restart).
+    """
+
+    def stored(
+        self, worker: int, hashes: list[int], parent_hash: int | None, token_ids: list[int]
+    ) -> None: ...
+
+    def removed(self, worker: int, hashes: list[int]) -> None: ...
+
+    def cleared(self, worker: int) -> None: ...
+
+
+class BlockIndex:
+    """One worker group's cached blocks: `num_blocks` slots of `block_bytes` bytes each."""
+
+    __slots__ = (
+        "block_bytes",
+        "epoch",
+        "evicted",
+        "free",
+        "hash_of",
+        "lru",
+        "num_blocks",
+        "pins",
+        "slot_of",
+    )
+
+    def __init__(self, num_blocks: int = 0, block_bytes: int = 0) -> None:
+        self.epoch = 0
+        self.reset(num_blocks, block_bytes)
+
+    def reset(self, num_blocks: int, block_bytes: int) -> None:
+        """Forget every block (the worker's slots hold nothing the engine may read)."""
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.epoch += 1
+        self.slot_of: dict[int, int] = {}
+        self.hash_of = [0] * num_blocks  # meaningful where slot_of[hash_of[s]] == s
+        self.pins = [0] * num_blocks
+        self.lru: OrderedDict[int, None] = OrderedDict()  # unpinned held slots, oldest first
+        self.free = list(range(num_blocks - 1, -1, -1))  # pop() gives slot 0 first
+        self.evicted: list[int] = []  # hashes evicted since the caller last took them
+
+    def __len__(self) -> int:
+        """Blocks held."""
+        return len(self.slot_of)
+
+    def count(self, hashes: list[int], limit: int) -> int:
+        """How many of the first `limit` hashes are held, from the first on."""
+        get = self.slot_of.get
+        for i in range(min(limit, len(hashes))):
+            if get(hashes[i]) is None:
+                return i
+        return min(limit, len(hashes))
+
+    def match(self, hashes: list[int], limit: int) -> list[int]:
+        """The slots of the longest held chain among the first `limit` hashes."""
+        slots = []
+        get = self.slot_of.get
+        for i in range(min(limit, len(hashes))):
+            slot = get(hashes[i])
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def pin(self, slot: int) -> None:
+        if not self.pins[slot]:
+            self.lru.pop(slot, None)
+        self.pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        """Drop one pin; an unpinned held slot becomes the most recently used."""
+        self.pins[slot] -= 1
+        if not self.pins[slot]:
+            if self.slot_of.get(self.hash_of[slot]) == slot:
+                self.lru[slot] = None
+            else:
+                self.free.append(slot)
+
+    def take(self) -> int | None:
+        """A slot to write into: a free one, else the least recently used (its block
+        forgotten, its hash queued in `evicted`); None when every slot is pinned."""
+        if self.free:
+            return self.free.pop()
+        if not self.lru:
+            return None
+        slot, _ = self.lru.popitem(last=False)
+        block = self.hash_of[slot]
+        del self.slot_of[block]
+        self.evicted.append(block)
+        return slot
+
+    def put(self, block: int, slot: int) -> None:
+        """`slot` (from `take`) now holds `block`, pinned once by the batch writing it."""
+        self.slot_of[block] = slot
+        self.hash_of[slot] = block
+        self.pins[slot] = 1
+
+    def forget(self, slot: int) -> None:
+        """Undo `put` for a batch that was never sent (its one pin included)."""
+        del self.slot_of[self.hash_of[slot]]
+        self.pins[slot] = 0
+        self.free.append(slot)
+
+    def check(self) -> None:
+        """Recount: every slot is exactly one of free, pinned, or in the LRU (AssertionError)."""
+        held = set(self.slot_of.values())
+        pinned = {s for s, p in enumerate(self.pins) if p > 0}
+        free, lru = set(self.free), set(self.lru)
+        problems = []
+        if len(held) != len(self.slot_of):
+            problems.append("two blocks in one slot")
+        if any(self.hash_of[s] != h for h, s in self.slot_of.items()):
+            problems.append("hash_of disagrees with slot_of")
+        if min(self.pins, default=0) < 0:
+            problems.append("a negative pin count")
+        if lru & pinned or free & pinned or free & lru or len(free) != len(self.free):
+            problems.append("a slot in two of free / pinned / LRU")
+        if not pinned <= held or lru != held - pinned or free != set(range(self.num_blocks)) - held:
+            problems.append(
+                f"slots unaccounted: {self.num_blocks} slots, {len(free)} free, "
+                f"{len(pinned)} pinned, {len(lru)} in the LRU, {len(held)} held"
+            )
+        if problems:
+            raise AssertionError(f"prefix index broken: {'; '.join(problems)}")

@@ -1,0 +1,226 @@
+"""`BatchPlan`: the prefix cache instructions of one batch as it is formed for one worker group.
+
+The batch former (`take_batch`, `Scheduler.dispatch_alone`, `dispatch_step`) asks the plan two
+questions per request and tells it each chunk it takes, in batch order:
+
+- `lookup(req)`: how many of the prompt's first tokens this group can read instead of computing
+  (whole blocks, never the last token: at most `(n - 1) // B` blocks), counting blocks that a
+  request *earlier in this batch* writes ("piggyback": the worker writes a layer's K/V into the
+  slot before later requests of the batch attend at that layer, so a prefix that several
+  requests of one batch share is computed once, by the first, and nobody waits a forward);
+- `elsewhere(req, cached)`: whether another group holds so much more of it that the request
+  should wait for that group (the routing rule, `PrefixCache` docs);
+- `place(req, start, end, cached)`: the chunk, its reads and its writes decided and pinned.
+
+Only the first chunk computed of a prompt reads; every chunk writes the full blocks it
+completes that the group does not hold yet (stopping at the first one it holds, or when every
+slot is pinned). `columns()` gives the five `PrefillBatch` columns; once the pool took the
+batch, `commit()` counts the lookups and tells the observer; if it did not, `abort()` gives
+back every slot taken (blocks evicted meanwhile stay forgotten: harmless).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from aioprefill.core import Chunk, Request
+from aioprefill.prefix.index import BlockIndex
+
+if TYPE_CHECKING:
+    from aioprefill.prefix.cache import PrefixCache
+
+__all__ = ["BatchPlan", "Pins"]
+
+
+class Pins:
+    """The slots a sent batch pinned on one group's index, released with its answer."""
+
+    __slots__ = ("epoch", "group", "slots")
+
+    def __init__(self, group: int, epoch: int, slots: list[int]) -> None:
+        self.group = group
+        self.epoch = epoch
+        self.slots = slots
+
+
+class BatchPlan:
+    __slots__ = (
+        "block_tokens",
+        "cache",
+        "deferred",
+        "group",
+        "hit",
+        "index",
+        "new",
+        "patient",
+        "pins",
+        "queried",
+        "read_counts",
+        "read_slots",
+        "reads_left",
+        "waits",
+        "write_counts",
+        "write_first",
+        "write_slots",
+        "written",
+    )
+
+    def __init__(
+        self, cache: PrefixCache, group: int, index: BlockIndex, waits: list[int | None] | None
+    ) -> None:
+        self.cache = cache
+        self.group = group
+        self.index = index
+        self.block_tokens = cache.block_tokens
+        self.reads_left = cache.max_read_blocks  # keeps the batch's frame within the ring
+        # Routing: tokens in flight on each group (None: not usable); None: no routing.
+        self.waits = waits
+        self.patient = True  # False: a second pass, where only idle groups claim a request
+        self.deferred = 0  # requests left for a busy group in this pass
+        self.read_counts: list[int] = []
+        self.read_slots: list[int] = []
+        self.write_counts: list[int] = []
+        self.write_slots: list[int] = []
+        self.write_first: list[int] = []
+        self.pins: list[int] = []  # every pin this batch took, in order
+        self.new: list[int] = []  # slots it writes
+        self.written: list[tuple[Request, int, int]] = []  # (request, first block, count)
+        self.queried = 0
+        self.hit = 0
+
+    def lookup(self, req: Request) -> int:
+        """Tokens of `req`'s prompt this group can read (whole blocks, not the last token)."""
+        hashes = req.hashes
+        if not hashes:
+            return 0
+        limit = min((req.num_tokens - 1) // self.block_tokens, self.reads_left)
+        return self.index.count(hashes, limit) * self.block_tokens
+
+    def elsewhere(self, req: Request, cached: int) -> bool:
+        """Whether `req` should wait for another group: one that holds `gain` more of its
+        prompt's tokens than this one, with `gain` above the tokens that group still has in
+        flight (what waiting for it costs, in the same unit as what it saves). A second pass
+        (`patient` False) only leaves it for an idle group, which takes it in the same round."""
+        waits = self.waits
+        hashes = req.hashes
+        if waits is None or not hashes:
+            return False
+        limit = (req.num_tokens - 1) // self.block_tokens
+        indexes = self.cache.indexes
+        for g, wait in enumerate(waits):
+            if wait is None or g == self.group or (wait and not self.patient):
+                continue
+            if indexes[g].count(hashes, limit) * self.block_tokens - cached > wait:
+                self.deferred += wait > 0
+                return True
+        return False
+
+    def place(self, req: Request, start: int, end: int, cached: int = 0) -> Chunk:
+        """`req`'s chunk up to `end`, reading `cached` tokens (`lookup`'s answer, first chunk
+        only) and writing the blocks it completes; every slot it uses is pinned."""
+        index, size, pins = self.index, self.block_tokens, self.pins
+        hashes: list[int] = req.hashes or []
+        reads: list[int] = []
+        if start == 0:
+            self.queried += req.num_tokens
+            if cached:
+                reads = index.match(hashes, min(cached, end - 1) // size)
+                for slot in reads:
+                    index.pin(slot)
+                pins.extend(reads)
+                self.reads_left -= len(reads)
+                start = cached = len(reads) * size
+                self.hit += cached
+        elif hashes:  # a later chunk: its prompt's earlier blocks are used again (LRU order)
+            for slot in index.match(hashes, start // size):
+                index.pin(slot)
+                pins.append(slot)
+        self.read_counts.append(len(reads))
+        self.read_slots.extend(reads)
+        first = start // size
+        count = 0
+        slot_of = index.slot_of
+        for i in range(first, min(end // size, len(hashes))):
+            block = hashes[i]
+            if block in slot_of:
+                break  # held already (or written earlier in this batch): the run ends here
+            taken = index.take()
+            if taken is None:
+                break  # every slot pinned by batches in flight
+            index.put(block, taken)
+            pins.append(taken)
+            self.new.append(taken)
+            self.write_slots.append(taken)
+            count += 1
+        self.write_counts.append(count)
+        self.write_first.append(first)
+        if count:
+            self.written.append((req, first, count))
+        return Chunk(req, start, end, cached)
+
+    def columns(self) -> tuple[bytes, bytes, bytes, bytes, bytes] | None:
+        """(read_offsets, read_slots, write_offsets, write_slots, write_first) for the
+        `PrefillBatch`, or None when the batch neither reads nor writes a block."""
+        if not self.read_slots and not self.write_slots:
+            return None
+        return (
+            _offsets(self.read_counts),
+            _int32(self.read_slots),
+            _offsets(self.write_counts),
+            _int32(self.write_slots),
+            _int32(self.write_first),
+        )
+
+    def commit(self) -> Pins | None:
+        """The pool took the batch: count its lookups, tell the observer, return its pins."""
+        cache = self.cache
+        cache.queried_tokens += self.queried
+        cache.hit_tokens += self.hit
+        self._flush_evicted()
+        observer = cache.observer
+        if observer is not None and self.written:
+            size = self.block_tokens
+            for req, first, count in self.written:
+                hashes = req.hashes
+                assert hashes is not None
+                ids = np.frombuffer(req.tokens, dtype="<i4")[first * size : (first + count) * size]
+                parent = hashes[first - 1] if first else None
+                observer.stored(self.group, hashes[first : first + count], parent, ids.tolist())
+        if not self.pins:
+            return None
+        return Pins(self.group, self.index.epoch, self.pins)
+
+    def abort(self) -> None:
+        """The batch was not sent: give back every pin and every slot it was to write."""
+        index = self.index
+        new = set(self.new)
+        for slot in reversed(self.pins):
+            if slot in new and index.pins[slot] == 1:
+                index.forget(slot)
+            else:
+                index.unpin(slot)
+        self._flush_evicted()
+
+    def _flush_evicted(self) -> None:
+        evicted = self.index.evicted
+        if evicted:
+            self.cache.evictions += len(evicted)
+            if self.cache.observer is not None:
+                self.cache.observer.removed(self.group, list(evicted))
+            evicted.clear()
+
+
+def _int32(values: list[int]) -> bytes:
+    return struct.pack(f"<{len(values)}i", *values)
+
+
+def _offsets(counts: list[int]) -> bytes:
+    offsets = [0]
+    total = 0
+    for c in counts:
+        total += c
+        offsets.append(total)
+    return _int32(offsets)

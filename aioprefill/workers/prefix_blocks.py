@@ -1,0 +1,185 @@
+"""The worker's prefix-cache block slots, and one batch's read/write plan for them.
+
+The engine owns the slots (it decides which block each holds, `protocol.PrefillBatch`); the
+worker only reads the slots a chunk names and writes the blocks a chunk completes into the slots
+named. A slot holds one block of `block_tokens` prompt positions:
+
+- per layer, this rank's KV heads' keys (after RoPE) and values, `[kv_heads, block_tokens,
+  head_dim]` float32 (a 2-byte model's values widen exactly to float32 and narrow back);
+- the final hidden state (before the final norm) of every position, float32 `[block_tokens,
+  hidden]`: what prompt log-probabilities, prompt top-k and mean pooling over cached positions
+  are computed from (the head and the norm run on these rows exactly as on computed ones), so a
+  hit never recomputes a layer;
+- the block's token ids (int32): the targets of the cached positions' prompt log-probabilities;
+- when the request that wrote it asked for prompt log-probabilities (and prompt top-k, up to
+  `SCORED_TOP_K`) and computed every position of the block in the chunk that wrote it: those
+  values, per token (its log-probability given the tokens before, the top-k of the position
+  before), exactly as that request's outputs held them. A reader whose slots all hold them takes
+  them as they are, so scoring a cached context (lm-eval sends every choice of a question as a
+  full prompt) runs the LM head only on the tokens it computes.
+
+Memory: one `np.empty` per array, allocated once at start for `prefix_cache_bytes //
+block_bytes` slots and never touched until written, so the worker's RSS grows with the slots
+used. Layout `[layer][kv_head, slot, position, dim]`: gathering a request's slots of one layer
+is one fancy index that lands as `[kv_heads, slots * block_tokens, dim]`, what attention reads.
+
+Bytes per block (block_tokens=16, one rank): 4 * 16 * (2 * layers * kv_heads * head_dim +
+hidden + 2 + 2 * 20) + 2: SmolLM2-135M (30 layers, 3 KV heads of 64, hidden 576) 776,834
+bytes (~759 KiB: 1 GiB holds 1,382 blocks, 22,112 tokens); the tiny default model (4 layers,
+4 KV heads of 32, hidden 256) 84,610 bytes (~83 KiB). A TP rank keeps its share of the KV
+heads (and all of the hidden rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from aioprefill.workers.runner import ForwardBatch
+
+__all__ = ["SCORED_TOP_K", "BatchPlan", "BlockStore"]
+
+# The most prompt top-k a slot keeps per position (OpenAI's `logprobs` stops at 20).
+SCORED_TOP_K = 20
+
+
+class BlockStore:
+    """`num_blocks` slots of `block_tokens` positions each (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        hidden_size: int,
+        block_tokens: int,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_tokens = block_tokens
+        shape = (num_layers, kv_heads, num_blocks, block_tokens, head_dim)
+        self.keys = np.empty(shape, dtype=np.float32)  # lazily touched: RSS grows with use
+        self.values = np.empty(shape, dtype=np.float32)
+        self.hidden = np.empty((num_blocks, block_tokens, hidden_size), dtype=np.float32)
+        self.tokens = np.empty((num_blocks, block_tokens), dtype=np.int32)
+        # Per slot: -1 no prompt logprobs kept; else they are, with this many top-k of each.
+        self.scored = np.empty(num_blocks, dtype=np.int16)
+        self.logprobs = np.empty((num_blocks, block_tokens), dtype=np.float32)
+        top = (num_blocks, block_tokens, SCORED_TOP_K)
+        self.top_ids = np.empty(top, dtype=np.int32)
+        self.top_logprobs = np.empty(top, dtype=np.float32)
+
+    @staticmethod
+    def block_bytes(
+        *, num_layers: int, kv_heads: int, head_dim: int, hidden_size: int, block_tokens: int
+    ) -> int:
+        """Bytes one slot takes: K and V of every layer, the hidden rows, the token ids, the
+        prompt logprobs and top-k."""
+        per_position = 2 * num_layers * kv_heads * head_dim + hidden_size + 2 + 2 * SCORED_TOP_K
+        return 4 * block_tokens * per_position + 2
+
+    def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One layer's keys and values of `slots`, in order: `[kv_heads, n * B, head_dim]`."""
+        k, v = self.keys[layer][:, slots], self.values[layer][:, slots]
+        heads, n, b, dim = k.shape
+        return k.reshape(heads, n * b, dim), v.reshape(heads, n * b, dim)
+
+    def write_kv(self, layer: int, slots: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
+        """Store `[kv_heads, n * B, head_dim]` keys and values as blocks into `slots`."""
+        heads, _, dim = keys.shape
+        shape = (heads, len(slots), self.block_tokens, dim)
+        self.keys[layer][:, slots] = keys.reshape(shape)
+        self.values[layer][:, slots] = values.reshape(shape)
+
+    def read_rows(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Hidden rows `[n * B, hidden]` and token ids `[n * B]` of `slots`, in order."""
+        return (
+            self.hidden[slots].reshape(-1, self.hidden.shape[-1]),
+            self.tokens[slots].reshape(-1),
+        )
+
+    def write_rows(self, slots: np.ndarray, hidden: np.ndarray, tokens: np.ndarray) -> None:
+        self.hidden[slots] = hidden.reshape(len(slots), self.block_tokens, -1)
+        self.tokens[slots] = tokens.reshape(len(slots), self.block_tokens)
+        self.scored[slots] = -1  # until `write_scores`
+
+    def write_scores(
+        self, slot: int, logprobs: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray
+    ) -> None:
+        """One slot's prompt logprobs [B] and top-k [B, k] (k = 0, or at most SCORED_TOP_K)."""
+        k = top_ids.shape[1]
+        self.logprobs[slot] = logprobs
+        self.top_ids[slot, :, :k] = top_ids
+        self.top_logprobs[slot, :, :k] = top_logprobs
+        self.scored[slot] = k
+
+    def read_scores(
+        self, slots: np.ndarray, top_k: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The kept prompt logprobs [n * B] and top-k [n * B, top_k] of `slots`, or None
+        unless every one of them holds them (with at least `top_k` of each position)."""
+        if int(self.scored[slots].min()) < top_k:
+            return None
+        b = self.block_tokens
+        return (
+            self.logprobs[slots].reshape(-1),
+            self.top_ids[slots, :, :top_k].reshape(len(slots) * b, top_k),
+            self.top_logprobs[slots, :, :top_k].reshape(len(slots) * b, top_k),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """One batch's prefix-cache instructions per request: the slots it reads (its prompt's
+    first blocks) and the slots it writes with the blocks `first_write`, `first_write + 1`, ..."""
+
+    reads: list[np.ndarray]
+    writes: list[np.ndarray]
+    first_write: list[int]
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> BatchPlan | None:
+        """The batch's plan, or None when it neither reads nor writes a slot."""
+        ro, rs, wo, ws, wf = (
+            batch.read_offsets,
+            batch.read_slots,
+            batch.write_offsets,
+            batch.write_slots,
+            batch.write_first,
+        )
+        if ro is None or rs is None or wo is None or ws is None or wf is None:
+            return None
+        if not len(rs) and not len(ws):
+            return None
+        n = batch.size
+        reads = [rs[ro[i] : ro[i + 1]].astype(np.int64) for i in range(n)]
+        writes = [ws[wo[i] : wo[i + 1]].astype(np.int64) for i in range(n)]
+        return cls(reads, writes, [int(f) for f in wf.tolist()])
+
+    def check(self, batch: ForwardBatch, num_blocks: int, block_tokens: int) -> None:
+        """ValueError for instructions this worker cannot follow, before anything runs."""
+        ends = (batch.start_pos.astype(np.int64) + batch.seq_lens()).tolist()
+        for i, (rid, start, end) in enumerate(
+            zip(batch.request_ids.tolist(), batch.start_pos.tolist(), ends, strict=True)
+        ):
+            reads, writes = self.reads[i], self.writes[i]
+            for slots, what in ((reads, "reads"), (writes, "writes")):
+                if len(slots) and int(slots.max()) >= num_blocks:
+                    raise ValueError(f"request {rid} {what} slot past this worker's {num_blocks}")
+            if len(reads) and start != len(reads) * block_tokens:
+                raise ValueError(
+                    f"request {rid}: {len(reads)} blocks read, but its chunk starts at {start}"
+                )
+            if len(writes):
+                lo = self.first_write[i] * block_tokens
+                if lo + len(writes) * block_tokens > end:
+                    raise ValueError(f"request {rid}: writes blocks past its chunk's end {end}")
+                # K/V of every earlier position is in the request's state, but its hidden rows
+                # only from the block the previous chunk left unfinished.
+                held = start // block_tokens * block_tokens
+                if lo < held:
+                    raise ValueError(
+                        f"request {rid}: writes block {lo // block_tokens}, before its chunk"
+                    )

@@ -1,0 +1,213 @@
+"""The prefix cache inside PaddleRunner: a chunk that reads cached blocks answers exactly what
+the whole prompt computed from scratch answers, for every output option (bitwise with
+deterministic=True, within 1e-5 by default): hits of one block and of all but the last token,
+hits followed by more chunks, blocks written by a chunked prompt (a block straddling chunks), a
+request reading what an earlier one of the same batch writes, and the KV export."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+
+import numpy as np
+import pytest
+
+from aioprefill import protocol
+from aioprefill.kv import kv_layout
+from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
+from aioprefill.workers.paddle_runner import PaddleRunner
+from aioprefill.workers.runner import ForwardOutput
+from tests.model.batches import make_batch, small
+from tests.model.prefix import ALL, LAST, B, check_same, concat_outputs, planned, with_options
+
+MODES = ["default", "deterministic"]
+_ids = itertools.count(1000)
+
+
+@functools.cache
+def runner(mode: str) -> PaddleRunner:
+    """One runner per mode for the module, with 64 slots."""
+    spec = small(deterministic=mode == "deterministic", seed=31)
+    return PaddleRunner(spec, prefix_cache_bytes=64 * 14978, block_tokens=B)
+
+
+def prompt(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 512, n).astype(np.int32)
+
+
+def run(
+    r: PaddleRunner,
+    chunks: list[tuple[np.ndarray, int]],
+    options: int = ALL,
+    plans: list[tuple[list[int], list[int], int]] | None = None,
+    top_k: int = 3,
+) -> ForwardOutput:
+    """One request fed in `chunks` ((tokens, start) each), one forward per chunk, each with its
+    plan (reads, writes, first written block); the outputs joined as the engine joins them."""
+    rid = next(_ids)
+    outs = []
+    for j, (tokens, start) in enumerate(chunks):
+        batch = make_batch([tokens], ids=[rid], starts=[start], last=[j == len(chunks) - 1])
+        batch = with_options(batch, [options], [top_k])
+        if plans is not None:
+            reads, writes, first = plans[j]
+            batch = planned(batch, [reads], [writes], [first])
+        outs.append(r.forward(batch))
+    return concat_outputs(outs)
+
+
+def whole(r: PaddleRunner, p: np.ndarray, options: int = ALL) -> ForwardOutput:
+    return run(r, [(p, 0)], options)
+
+
+def same(got: ForwardOutput, want: ForwardOutput, mode: str, what: str) -> None:
+    check_same(_no_ids(got), _no_ids(want), bitwise=mode == "deterministic", what=what)
+
+
+def _no_ids(out: ForwardOutput) -> ForwardOutput:
+    return dataclasses.replace(out, request_ids=np.zeros_like(out.request_ids))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("options", [ALL, LAST | protocol.OPT_NORMALIZE], ids=["mean", "last"])
+def test_hits_equal_the_whole_prompt(mode: str, options: int) -> None:
+    r = runner(mode)
+    p = prompt(100, seed=1)
+    want = whole(r, p, options)
+    # The first request writes its six full blocks (its last token's block is not full).
+    first = run(r, [(p, 0)], options, [([], [0, 1, 2, 3, 4, 5], 0)])
+    same(first, want, mode, "writer")
+    # The writer computed every position of its blocks: they keep its prompt outputs.
+    store = r._store
+    assert store is not None
+    assert store.scored[:6].tolist() == [3 if options & protocol.OPT_PROMPT_TOP_K else 0] * 6
+    # A hit of one block.
+    same(run(r, [(p[B:], B)], options, [([0], [], 0)]), want, mode, "1 block")
+    # Fewer prompt top-k than kept (taken from the slots), more (the head on the hidden rows).
+    for k in (2, 5):
+        got = run(r, [(p[B:], B)], options, [([0], [], 0)], top_k=k)
+        same(got, run(r, [(p, 0)], options, top_k=k), mode, f"top_k={k}")
+    # All but the last token: a 97-token prompt reads its 6 blocks and computes one token.
+    short = p[: 6 * B + 1]
+    same(
+        run(r, [(short[6 * B :], 6 * B)], options, [([0, 1, 2, 3, 4, 5], [], 0)]),
+        whole(r, short, options),
+        mode,
+        "all but the last token",
+    )
+    # A hit, then the prompt goes on in two more chunks.
+    chunks = [(p[2 * B : 60], 2 * B), (p[60:70], 60), (p[70:], 70)]
+    plans = [([0, 1], [], 0), ([], [], 0), ([], [], 0)]
+    same(run(r, chunks, options, plans), want, mode, "hit then chunks")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_blocks_written_across_chunks(mode: str) -> None:
+    """A chunked prompt writes the blocks each chunk completes (blocks 2 and 3 straddle two
+    chunks): the slots hold what a whole-prompt write holds, and a longer prompt hits all 5."""
+    r = runner(mode)
+    p = prompt(80, seed=2)
+    chunks = [(p[:10], 0), (p[10:37], 10), (p[37:50], 37), (p[50:], 50)]
+    plans = [([], [], 0), ([], [10, 11], 0), ([], [12], 2), ([], [13, 14], 3)]
+    same(run(r, chunks, ALL, plans), whole(r, p), mode, "chunked writer")
+    run(r, [(p, 0)], ALL, [([], [20, 21, 22, 23, 24], 0)])  # the same blocks, whole
+    store = r._store
+    assert store is not None
+    for a, b in zip([10, 11, 12, 13, 14], [20, 21, 22, 23, 24], strict=True):
+        pairs = [(kv[:, :, a], kv[:, :, b]) for kv in (store.keys, store.values)]
+        pairs += [(store.hidden[a], store.hidden[b]), (store.tokens[a], store.tokens[b])]
+        for x, y in pairs:
+            if mode == "deterministic" or x.dtype.kind == "i":
+                assert np.array_equal(x, y), f"slot {a} vs {b}"
+            else:
+                assert np.abs(x - y).max() <= 1e-5
+    longer = np.concatenate([p, prompt(7, seed=3)])
+    got = run(r, [(longer[80:], 80)], ALL, [([10, 11, 12, 13, 14], [], 0)])
+    same(got, whole(r, longer), mode, "hit on chunk-written blocks")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_piggyback_in_one_batch(mode: str) -> None:
+    """Two requests share a 48-token prefix nobody cached: the first writes its blocks, the
+    second reads them in the same forward, and both answer as if alone."""
+    r = runner(mode)
+    shared = prompt(48, seed=4)
+    a = np.concatenate([shared, prompt(10, seed=5)])
+    b = np.concatenate([shared, prompt(7, seed=6)])
+    want_a, want_b = whole(r, a), whole(r, b)
+    batch = make_batch([a, b[48:]], ids=[1, 2], starts=[0, 48])
+    batch = planned(with_options(batch, [ALL, ALL], [3, 3]), [[], [30, 31, 32]], [[30, 31, 32], []])
+    out = r.forward(batch)
+    assert out.request_ids.tolist() == [1, 2]
+    for i, want in ((0, want_a), (1, want_b)):
+        rows = [57, 54][i]
+        sl = slice(0, 57) if i == 0 else slice(57, 57 + 54)
+        one = ForwardOutput(
+            request_ids=out.request_ids[i : i + 1] * 0,
+            tokens=out.tokens[i : i + 1],
+            logprobs=out.logprobs[i : i + 1],
+            top_k_ids=out.top_k_ids[3 * i : 3 * i + 3],
+            top_k_logprobs=out.top_k_logprobs[3 * i : 3 * i + 3],
+            prompt_logprobs=out.prompt_logprobs[sl],
+            prompt_top_k_ids=out.prompt_top_k_ids[3 * sl.start : 3 * sl.stop],
+            prompt_top_k_logprobs=out.prompt_top_k_logprobs[3 * sl.start : 3 * sl.stop],
+            embeddings=out.embeddings[i : i + 1],
+        )
+        assert len(one.prompt_logprobs) == rows
+        same(one, want, mode, f"request {i}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kv_export_holds_the_whole_prompt(mode: str) -> None:
+    r = runner(mode)
+    p = prompt(45, seed=7)
+    run(r, [(p, 0)], 0, [([], [40, 41], 0)])
+    names = [segment_name("kv.prefix-test") for _ in range(2)]
+    layout = kv_layout(r.spec)
+    kv = protocol.OPT_RETURN_KV
+    try:
+        r.forward(with_options(make_batch([p], ids=[next(_ids)]), [kv], [0], names[:1]))
+        hit = make_batch([p[2 * B :]], ids=[next(_ids)], starts=[2 * B])
+        r.forward(planned(with_options(hit, [kv], [0], names[1:]), [[40, 41]]))
+        got = []
+        for name in names:
+            mm = attach_segment(name)
+            got.append([a.copy() for a in layout.views(mm, len(p))])
+            mm.close()
+        for x, y in zip(*got, strict=True):
+            assert np.array_equal(x, y) if mode == "deterministic" else np.abs(x - y).max() <= 1e-5
+    finally:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / name).unlink()
+
+
+def test_deterministic_chunks_are_bitwise_the_whole_prompt() -> None:
+    """Without the cache too: attention tiles sit at absolute positions, so chunk cuts (inside
+    a tile, at its edge, one token) change no bit of any output."""
+    r = runner("deterministic")
+    p = prompt(150, seed=8)
+    want = whole(r, p)
+    for cuts in ([1], [63, 64], [10, 75, 149], [64, 128]):
+        bounds = [0, *cuts, len(p)]
+        chunks = [(p[a:b], a) for a, b in itertools.pairwise(bounds)]
+        same(run(r, chunks), want, "deterministic", f"cuts {cuts}")
+
+
+def test_plans_the_runner_cannot_follow_are_refused() -> None:
+    r = runner("default")
+    p = prompt(40, seed=9)
+    cases = [
+        (planned(make_batch([p[B:]], starts=[B]), [[64]]), "slot past"),
+        (planned(make_batch([p[B:]], starts=[B]), [[0, 1]]), "2 blocks read"),
+        (planned(make_batch([p[:20]]), None, [[0, 1]], [0]), "past its chunk"),
+    ]
+    for batch, match in cases:
+        with pytest.raises(ValueError, match=match):
+            r.forward(batch)
+    off = PaddleRunner(small(seed=31))
+    assert (off.cache_blocks, off.block_bytes) == (0, 14978)
+    with pytest.raises(ValueError, match="none are kept"):
+        off.forward(planned(make_batch([p]), None, [[0]], [0]))

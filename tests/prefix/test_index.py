@@ -1,0 +1,173 @@
+"""`BlockIndex` and `BatchPlan` on plain requests: reads, writes, piggyback, LRU eviction
+order, pins, abort. No worker, ring or model."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import numpy as np
+
+from aioprefill.batching import take_batch
+from aioprefill.core import Budget, Request
+from aioprefill.prefix import BlockIndex, PrefixCache
+
+B = 4  # tokens per block in these tests
+
+
+def request(rid: int, tokens: list[int], cache: PrefixCache) -> Request:
+    data = np.asarray(tokens, dtype="<i4").tobytes()
+    return Request(rid, data, rid, hashes=cache.hashes(data, None))
+
+
+def groups(num: int, blocks: int, in_flight: tuple[int, ...] = ()) -> list[SimpleNamespace]:
+    """Pool slots as the cache reads them (`in_flight`: tokens each group runs now)."""
+    busy = list(in_flight) + [0] * num
+    return [
+        SimpleNamespace(
+            cache_blocks=blocks,
+            block_bytes=100,
+            generation=1,
+            usable=True,
+            in_flight=[SimpleNamespace(num_tokens=busy[g])] if busy[g] else [],
+        )
+        for g in range(num)
+    ]
+
+
+def run(cache: PrefixCache, slots, reqs: list[Request], group: int = 0, budget=None):
+    """Form, 'send' and commit one batch for `group`; (chunks, plan, pins)."""
+    plan = cache.plan(group, slots, route=True)
+    budget = budget or Budget(max_batch_tokens=1000, max_batch_size=100)
+    chunks = take_batch(deque(reqs), group, budget, plan)
+    columns = plan.columns() if plan is not None else None
+    pins = plan.commit() if plan is not None else None
+    return chunks, columns, pins
+
+
+def test_a_second_prompt_reads_the_blocks_the_first_wrote():
+    cache = PrefixCache(1, B)
+    slots = groups(1, 8)
+    first = request(1, list(range(10)), cache)  # blocks 0, 1 full; 2 ids left over
+    chunks, columns, pins = run(cache, slots, [first])
+    assert [(c.start, c.end, c.cached) for c in chunks] == [(0, 10, 0)]
+    read_off, _read_slots, write_off, write_slots, write_first = (
+        np.frombuffer(col, "<i4") for col in columns
+    )
+    assert list(read_off) == [0, 0] and list(write_off) == [0, 2] and list(write_first) == [0]
+    cache.release(pins)
+    again = request(2, list(range(10)), cache)
+    chunks, columns, pins = run(cache, slots, [again])
+    assert [(c.start, c.end, c.cached) for c in chunks] == [(8, 10, 8)]
+    assert list(np.frombuffer(columns[1], "<i4")) == list(write_slots)  # the same two slots
+    assert cache.hit_tokens == 8 and cache.queried_tokens == 20
+
+
+def test_the_last_token_is_always_computed():
+    cache = PrefixCache(1, B)
+    slots = groups(1, 8)
+    _, _, pins = run(cache, slots, [request(1, list(range(8)), cache)])  # two full blocks
+    cache.release(pins)
+    chunks, _, _ = run(cache, slots, [request(2, list(range(8)), cache)])
+    assert [(c.start, c.cached) for c in chunks] == [(4, 4)]  # (8 - 1) // 4 blocks read
+
+
+def test_piggyback_a_later_request_of_the_same_batch_reads_what_an_earlier_one_writes():
+    cache = PrefixCache(1, B)
+    slots = groups(1, 16)
+    shared = list(range(100, 112))
+    reqs = [request(i, shared + [i] * 3, cache) for i in range(3)]
+    budget = Budget(max_batch_tokens=15 + 3 + 3, max_batch_size=100)  # uncached tokens only
+    chunks, columns, _ = run(cache, slots, reqs, budget=budget)
+    assert [(c.start, c.cached) for c in chunks] == [(0, 0), (12, 12), (12, 12)]
+    read_off, read_slots, write_off, write_slots, _ = (np.frombuffer(c, "<i4") for c in columns)
+    assert list(read_off) == [0, 0, 3, 6]
+    assert list(read_slots) == list(write_slots[:3]) * 2  # the first one's slots
+    assert list(write_off) == [0, 3, 3, 3]  # block 3 of each is not full: nothing more
+
+
+def test_lru_evicts_a_chains_last_block_before_its_parents_and_never_a_pinned_one():
+    cache = PrefixCache(1, B)
+    slots = groups(1, 4)
+    index = cache.indexes[0]
+    a = list(range(1, 13))  # blocks a0 a1 a2
+    _, _, pins_a = run(cache, slots, [request(1, [*a, 0], cache)])
+    cache.release(pins_a)
+    ha = cache.hashes(np.asarray(a, "<i4").tobytes(), None)
+    assert list(index.lru) == [index.slot_of[h] for h in reversed(ha)]  # a2 oldest
+    b = list(range(50, 58))  # needs two slots: one free, then a2 goes
+    _, _, pins_b = run(cache, slots, [request(2, [*b, 0], cache)])
+    assert ha[2] not in index.slot_of and ha[0] in index.slot_of and ha[1] in index.slot_of
+    assert cache.evictions == 1
+    # While b's batch is in flight its blocks are pinned: a third prompt can only take a's.
+    c = list(range(70, 82))
+    _chunks, columns, pins_c = run(cache, slots, [request(3, [*c, 0], cache)])
+    assert list(np.frombuffer(columns[2], "<i4")) == [0, 2]  # only two slots were unpinned
+    assert cache.evictions == 3 and not any(h in index.slot_of for h in ha)
+    cache.check([pins_b, pins_c])
+    cache.release(pins_b)
+    cache.release(pins_c)
+    cache.check([])
+
+
+def test_an_unsent_batch_gives_back_its_slots_and_pins():
+    cache = PrefixCache(1, B)
+    slots = groups(1, 8)
+    _, _, pins = run(cache, slots, [request(1, list(range(9)), cache)])
+    cache.release(pins)
+    plan = cache.plan(0, slots)
+    reqs = [
+        request(2, list(range(9)) + [5] * 8, cache),
+        request(3, list(range(9)) + [5] * 9, cache),
+    ]
+    take_batch(deque(reqs), 0, Budget(1000, 100), plan)
+    assert len(cache.indexes[0]) == 4  # two more blocks written, read by the second (piggyback)
+    plan.abort()
+    assert len(cache.indexes[0]) == 2 and cache.queried_tokens == 9
+    cache.check([])
+
+
+def test_a_dead_groups_index_is_dropped_and_its_late_pins_ignored():
+    cache = PrefixCache(1, B)
+    slots = groups(1, 8)
+    _, _, pins = run(cache, slots, [request(1, list(range(9)), cache)])
+    cache.drop(0)
+    assert len(cache.indexes[0]) == 0 and cache.plan(0, slots) is None  # until it restarts
+    cache.release(pins)  # the lost batch's pins: harmless
+    slots[0].generation = 2  # restarted
+    chunks, _, _ = run(cache, slots, [request(2, list(range(9)), cache)])
+    assert chunks[0].cached == 0
+
+
+def test_several_groups_a_request_waits_for_the_group_holding_more_unless_it_is_busier():
+    cache = PrefixCache(2, B)
+    idle = groups(2, 64)
+    prefix = list(range(200, 240))  # 10 blocks
+    _, _, pins = run(cache, idle, [request(1, [*prefix, 1], cache)], group=1)
+    cache.release(pins)
+    r = request(2, [*prefix, 2], cache)
+    chunks, _, _ = run(cache, idle, [r], group=0)
+    assert chunks == []  # group 1 is idle and holds 40 tokens of it: left to group 1
+    other = request(3, [9] * 9, cache)
+    chunks, _, _ = run(cache, groups(2, 64, in_flight=(0, 39)), [r, other], group=0)
+    assert [c.request.request_id for c in chunks] == [3]  # waiting costs 39, saves 40: r waits
+    chunks, _, _ = run(cache, groups(2, 64, in_flight=(0, 41)), [r, other], group=0)
+    assert [c.request.request_id for c in chunks] == [2, 3]  # 41 > 40: computed here
+    # Nothing else to do: a busy group's favourite is taken rather than leave group 0 idle.
+    r2 = request(4, [*prefix, 3], cache)
+    chunks, _, _ = run(cache, groups(2, 64, in_flight=(0, 39)), [r2], group=0)
+    assert [c.request.request_id for c in chunks] == [4]
+
+
+def test_index_check_catches_a_slot_in_two_places():
+    index = BlockIndex(4, 10)
+    slot = index.take()
+    index.put(7, slot)
+    index.check()
+    index.free.append(slot)
+    try:
+        index.check()
+    except AssertionError as exc:
+        assert "free" in str(exc) or "unaccounted" in str(exc)
+    else:
+        raise AssertionError("check() missed it")
