@@ -72,7 +72,7 @@ def writer(master: str) -> None:
         offers = []
         for i in range(N):
             t0 = time.perf_counter()
-            assert t.offer(i + 1, i, tokens(i), [payload])
+            assert t.offer(i + 1, tokens(i), [payload])
             offers.append(time.perf_counter() - t0)
         with t.puts.cond:
             t.puts.cond.wait_for(lambda t=t: len(t.puts.free) == len(t.puts.slots), 60)
@@ -128,7 +128,7 @@ def load_rounds(master: str, repeats: int) -> dict[str, dict[str, dict[int, floa
                 raw = time.perf_counter() - t0
                 assert all(c == t.value_bytes for c in codes), codes
                 t0 = time.perf_counter()
-                assert t.load(chain[:k], 0, sink) == k, t.stats
+                assert t.load(chain[:k], sink) == k, t.stats
                 tier = time.perf_counter() - t0
                 if r >= 2:  # two warm-up rounds
                     per["raw"].setdefault(k, []).append(raw)

@@ -32,11 +32,10 @@ Chain = Sequence[tuple[int, np.ndarray]]
 
 
 class _Job:
-    __slots__ = ("chain", "done", "good", "parent")
+    __slots__ = ("chain", "done", "good")
 
-    def __init__(self, chain: Chain, parent: int | None) -> None:
+    def __init__(self, chain: Chain) -> None:
         self.chain = chain
-        self.parent = parent
         self.done = threading.Event()
         self.good = 0
 
@@ -73,12 +72,9 @@ class Loader:
     def start(self) -> None:
         self.thread.start()
 
-    def load(
-        self, chain: Chain, parent: int | None, sink: Callable[[int, memoryview], None]
-    ) -> int:
+    def load(self, chain: Chain, sink: Callable[[int, memoryview], None]) -> int:
         """Fetch `chain` (cut to `capacity`); call `sink(i, payload)` for its longest good
-        prefix and return that prefix's length. `parent`: the hash the first block's header
-        must name as its parent (None: not checked). Never raises for a store fault."""
+        prefix and return that prefix's length. Never raises for a store fault."""
         s = self.stats
         chain = chain[: self.capacity]
         if not chain:
@@ -87,7 +83,7 @@ class Loader:
             if self.busy or not self.link.up.is_set():
                 s.loads_skipped += 1
                 return 0
-            job = self.job = _Job(chain, parent)
+            job = self.job = _Job(chain)
             self.busy = True
             self.cond.notify()
         s.loads += 1
@@ -136,7 +132,6 @@ class Loader:
             [base + i * self.stride for i in range(n)],
             [size] * n,
         )
-        parent = job.parent
         for i, ((block_hash, tokens), code) in enumerate(zip(job.chain, codes, strict=True)):
             if code != size:
                 if code < 0:
@@ -145,10 +140,9 @@ class Loader:
                     self.stats.blocks_missing += 1
                 return i
             try:
-                self.codec.check(self.slots[i], block_hash, parent, tokens)
+                self.codec.check(self.slots[i], block_hash, tokens)
             except ValueRefused as exc:
                 self.stats.blocks_refused += 1
                 log.warning("refused block %016x from the store: %s", block_hash & (2**64 - 1), exc)
                 return i
-            parent = block_hash
         return n

@@ -74,7 +74,7 @@ class PutQueue:
     def start(self) -> None:
         self.thread.start()
 
-    def offer(self, block_hash: int, parent: int, tokens: np.ndarray, parts: Sequence[Any]) -> bool:
+    def offer(self, block_hash: int, tokens: np.ndarray, parts: Sequence[Any]) -> bool:
         """Stage one block for a put; False (counted) when it is not put. Never blocks."""
         s = self.stats
         if not self.link.up.is_set():
@@ -89,7 +89,7 @@ class PutQueue:
                 s.puts_dropped_full += 1
                 return False
             slot = self.free.popleft()
-        payload = self.codec.write_header(self.slots[slot], block_hash, parent, tokens)
+        payload = self.codec.write_header(self.slots[slot], block_hash, tokens)
         at = 0
         for part in parts:
             flat = memoryview(part).cast("B")

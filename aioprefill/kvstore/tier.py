@@ -70,9 +70,9 @@ class StoreTier:
         """Block until the link is up (tests and benchmarks; the worker never waits)."""
         return self.link.up.wait(timeout)
 
-    def offer(self, block_hash: int, parent: int, tokens: np.ndarray, parts: Sequence[Any]) -> bool:
+    def offer(self, block_hash: int, tokens: np.ndarray, parts: Sequence[Any]) -> bool:
         """Stage a written block for a put (copied now); False when it will not be put."""
-        return self.puts.offer(block_hash, parent, tokens, parts)
+        return self.puts.offer(block_hash, tokens, parts)
 
     def load_pays(self, num_blocks: int) -> bool:
         """The cost rule (`kvstore.cost`) for a chain of `num_blocks`, at this worker's speed."""
@@ -86,16 +86,14 @@ class StoreTier:
             o.read_latency_s,
         )
 
-    def load(
-        self, chain: Chain, parent: int | None, sink: Callable[[int, memoryview], None]
-    ) -> int:
+    def load(self, chain: Chain, sink: Callable[[int, memoryview], None]) -> int:
         """Load the longest good prefix of `chain` (at most `loader.capacity` blocks) when the
         cost rule says so; `sink(i, payload)` copies block i into its slot. Returns how many
         blocks were handed over; the caller computes the rest."""
         if not self.load_pays(min(len(chain), self.loader.capacity)):
             self.stats.loads_skipped += 1
             return 0
-        return self.loader.load(chain, parent, sink)
+        return self.loader.load(chain, sink)
 
     def record_forward(self, seconds: float, computed_tokens: int) -> None:
         self.clock.record(seconds, computed_tokens)

@@ -12,16 +12,16 @@ Layout (little-endian; `B` = block_tokens, `P` = payload bytes, fixed per identi
     12        4     B
     16        16    identity digest (`StoreIdentity.digest`: model, dtype, layout, TP rank/size)
     32        8     block hash (the key's, unsigned)
-    40        8     parent block hash (0 for a prompt's first block)
-    48        8     P
-    56        16    checksum over bytes [0, 56) and [72, end)
-    72        4*B   the block's token ids, int32
-    72+4*B    P     payload: the slot's bytes, as the worker's block store lays them out
+    40        8     P
+    48        16    checksum over bytes [0, 48) and [64, end)
+    64        4*B   the block's token ids, int32
+    64+4*B    P     payload: the slot's bytes, as the worker's block store lays them out
 
 Checked on load: the length, magic, version, kind (must be this node's: a CRC32 value is
-refused by a node that has a secret), B, the identity, the hash (the key's), the parent (the
-previous block's hash in the chain, when known), the token ids (the request's own), P, then
-the checksum. Written by the put thread; checked by the load thread.
+refused by a node that has a secret), B, the identity, the hash (the key's), the token ids
+(the request's own), P, then the checksum. The block hash is chained (it names the parent's
+hash, and the salt), so the hash and the tokens together pin the block's place in its prompt.
+Written by the put thread; checked by the load thread.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ MAGIC = b"AIOPKVB\0"
 VERSION = 1
 KIND_CRC32 = 1
 KIND_MAC = 2
-_HEAD = struct.Struct("<8sHHI16sQQQ")  # everything before the checksum: 56 bytes
+_HEAD = struct.Struct("<8sHHI16sQQ")  # everything before the checksum: 48 bytes
 _SUM_AT = _HEAD.size
 HEADER_BYTES = _SUM_AT + 16
 _U64 = 0xFFFFFFFFFFFFFFFF
@@ -71,9 +71,7 @@ class ValueCodec:
         h.update(value[HEADER_BYTES:])
         return h.digest()
 
-    def write_header(
-        self, value: memoryview, block_hash: int, parent: int, tokens: np.ndarray
-    ) -> memoryview:
+    def write_header(self, value: memoryview, block_hash: int, tokens: np.ndarray) -> memoryview:
         """Fill the header and token ids of `value` (value_bytes long); returns the payload
         view for the caller to copy the slot into. `seal` adds the checksum afterwards."""
         kind = KIND_CRC32 if self.secret is None else KIND_MAC
@@ -86,7 +84,6 @@ class ValueCodec:
             self.block_tokens,
             self.digest,
             block_hash & _U64,
-            parent & _U64,
             self.payload_bytes,
         )
         end = self.tokens_at + 4 * self.block_tokens
@@ -97,15 +94,11 @@ class ValueCodec:
         """Write the checksum (off the forward's path: the put thread calls it)."""
         value[_SUM_AT:HEADER_BYTES] = self._checksum(value)
 
-    def check(
-        self, value: memoryview, block_hash: int, parent: int | None, tokens: np.ndarray
-    ) -> memoryview:
+    def check(self, value: memoryview, block_hash: int, tokens: np.ndarray) -> memoryview:
         """The payload of a loaded value, or ValueRefused naming the first check it failed."""
         if len(value) != self.value_bytes:
             raise ValueRefused(f"length {len(value)}, expected {self.value_bytes}")
-        magic, version, kind, block_tokens, digest, got_hash, got_parent, payload = (
-            _HEAD.unpack_from(value, 0)
-        )
+        magic, version, kind, block_tokens, digest, got_hash, payload = _HEAD.unpack_from(value, 0)
         want_kind = KIND_CRC32 if self.secret is None else KIND_MAC
         if magic != MAGIC or version != VERSION:
             raise ValueRefused(f"not an aioprefill v{VERSION} block (magic {magic!r} v{version})")
@@ -120,8 +113,6 @@ class ValueCodec:
             raise ValueRefused("another model, dtype, layout or TP rank")
         if got_hash != block_hash & _U64:
             raise ValueRefused(f"block hash {got_hash:016x}, key says {block_hash & _U64:016x}")
-        if parent is not None and got_parent != parent & _U64:
-            raise ValueRefused(f"parent {got_parent:016x}, expected {parent & _U64:016x}")
         end = self.tokens_at + 4 * self.block_tokens
         if not np.array_equal(np.frombuffer(value[self.tokens_at : end], dtype="<i4"), tokens):
             raise ValueRefused("token ids differ from the request's")

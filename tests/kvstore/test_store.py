@@ -110,9 +110,9 @@ def test_forged_short_and_foreign_values_are_refused(master, reader):
         foreign = bytearray(reader.value_bytes)
         codec = ValueCodec(other.digest, IDENT.block_tokens, PAYLOAD)
         view = memoryview(foreign)
-        codec.write_header(view, blocks.hashes[2], blocks.hashes[1], blocks.tokens[2])[:] = (
-            blocks.payloads[2].tobytes()
-        )
+        codec.write_header(view, blocks.hashes[2], blocks.tokens[2])[:] = blocks.payloads[
+            2
+        ].tobytes()
         codec.seal(view)
         cases["foreign model"] = bytes(foreign)
         for name, value in cases.items():
@@ -133,16 +133,16 @@ def test_a_full_put_budget_drops_blocks_and_never_waits(master, reader):
         gate = Gate(writer, "batch_put_from")
         blocks = Blocks(5, seed=5)
         h, t, p = blocks.hashes, blocks.tokens, blocks.payloads
-        assert writer.offer(h[0], 0, t[0], [p[0]])
+        assert writer.offer(h[0], t[0], [p[0]])
         assert gate.entered.wait(30)  # the put thread holds block 0, stuck in its put
-        accepted = [writer.offer(h[i], h[i - 1], t[i], [p[i]]) for i in range(1, 5)]
+        accepted = [writer.offer(h[i], t[i], [p[i]]) for i in range(1, 5)]
         assert accepted == [True, True, False, False]  # offer returned while the put waits
         assert writer.stats.puts_dropped_full == 2
         gate.open()
         drain(writer)
         assert writer.stats.puts == 3
         assert blocks.load(reader)[0] == 3
-        assert not writer.offer(h[0], 0, t[0], [p[0]])  # put already: not again
+        assert not writer.offer(h[0], t[0], [p[0]])  # put already: not again
         assert writer.stats.puts_skipped_recent == 1
     finally:
         writer.close()
@@ -180,5 +180,5 @@ def test_a_chain_longer_than_the_load_buffer_loads_its_head(master):
 
 def test_parts_must_fill_the_payload(reader):
     with pytest.raises(ValueError, match="payload"):
-        reader.offer(99, 0, np.zeros(16, np.int32), [np.zeros(10, np.uint8)])
+        reader.offer(99, np.zeros(16, np.int32), [np.zeros(10, np.uint8)])
     assert len(reader.puts.free) == reader.puts.slots.__len__()  # the slot came back

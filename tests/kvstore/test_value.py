@@ -1,5 +1,5 @@
 """A stored block's value (`kvstore.value`) round-trips, and every way a value can be wrong
-(short, long, foreign model or layout, another block, another parent, other tokens, a flipped
+(short, long, foreign model or layout, another block, other tokens, a flipped
 bit, a CRC value on a node with a secret, a MAC forged without it) is refused, naming why."""
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ TOKENS = np.arange(100, 100 + B, dtype=np.int32)
 PAYLOAD = np.random.default_rng(7).integers(0, 256, P, dtype=np.uint8)
 
 
-def encoded(
-    codec: ValueCodec, block_hash: int = 0xABC, parent: int = 0x123, tokens: np.ndarray = TOKENS
-) -> memoryview:
+def encoded(codec: ValueCodec, block_hash: int = 0xABC, tokens: np.ndarray = TOKENS) -> memoryview:
     value = memoryview(bytearray(codec.value_bytes))
-    payload = codec.write_header(value, block_hash, parent, tokens)
+    payload = codec.write_header(value, block_hash, tokens)
     payload[:] = PAYLOAD.tobytes()
     codec.seal(value)
     return value
@@ -29,15 +27,15 @@ def encoded(
 def test_round_trip_gives_the_payload_back():
     codec = ValueCodec(IDENT.digest, B, P)
     assert codec.value_bytes == HEADER_BYTES + 4 * B + P
-    got = codec.check(encoded(codec), 0xABC, 0x123, TOKENS)
+    got = codec.check(encoded(codec), 0xABC, TOKENS)
     assert bytes(got) == PAYLOAD.tobytes()
-    assert bytes(codec.check(encoded(codec), 0xABC, None, TOKENS)) == PAYLOAD.tobytes()
+    assert bytes(codec.check(encoded(codec), 0xABC, TOKENS)) == PAYLOAD.tobytes()
 
 
 def test_negative_hashes_are_their_unsigned_form():
     codec = ValueCodec(IDENT.digest, B, P)
-    value = encoded(codec, block_hash=-5, parent=-1)
-    assert bytes(codec.check(value, 2**64 - 5, 2**64 - 1, TOKENS)) == PAYLOAD.tobytes()
+    value = encoded(codec, block_hash=-5)
+    assert bytes(codec.check(value, 2**64 - 5, TOKENS)) == PAYLOAD.tobytes()
     assert IDENT.key(-5) == IDENT.key(2**64 - 5)
 
 
@@ -61,18 +59,16 @@ def _flip(value: memoryview, at: int) -> memoryview:
 def test_damaged_values_are_refused(mutate, why):
     codec = ValueCodec(IDENT.digest, B, P)
     with pytest.raises(ValueRefused, match=why):
-        codec.check(mutate(encoded(codec)), 0xABC, 0x123, TOKENS)
+        codec.check(mutate(encoded(codec)), 0xABC, TOKENS)
 
 
 def test_other_blocks_models_and_layouts_are_refused():
     codec = ValueCodec(IDENT.digest, B, P)
     value = encoded(codec)
     with pytest.raises(ValueRefused, match="block hash"):
-        codec.check(value, 0xABD, 0x123, TOKENS)
-    with pytest.raises(ValueRefused, match="parent"):
-        codec.check(value, 0xABC, 0x124, TOKENS)
+        codec.check(value, 0xABD, TOKENS)
     with pytest.raises(ValueRefused, match="token ids"):
-        codec.check(value, 0xABC, 0x123, TOKENS + 1)
+        codec.check(value, 0xABC, TOKENS + 1)
     for other in (
         StoreIdentity("model-b", "float32", "layers=4;kv=4x32", B),
         StoreIdentity("model-a", "bfloat16", "layers=4;kv=4x32", B),
@@ -81,20 +77,20 @@ def test_other_blocks_models_and_layouts_are_refused():
     ):
         assert other.key(0xABC) != IDENT.key(0xABC)
         with pytest.raises(ValueRefused, match="another model"):
-            ValueCodec(other.digest, B, P).check(value, 0xABC, 0x123, TOKENS)
+            ValueCodec(other.digest, B, P).check(value, 0xABC, TOKENS)
     with pytest.raises(ValueRefused, match="layout"):
-        ValueCodec(IDENT.digest, B, P - 64).check(value[:-64], 0xABC, 0x123, TOKENS)
+        ValueCodec(IDENT.digest, B, P - 64).check(value[:-64], 0xABC, TOKENS)
 
 
 def test_a_secret_refuses_crc_values_and_macs_made_without_it():
     secret = b"s" * 32
     plain = ValueCodec(IDENT.digest, B, P)
     keyed = ValueCodec(IDENT.digest, B, P, secret)
-    assert bytes(keyed.check(encoded(keyed), 0xABC, 0x123, TOKENS)) == PAYLOAD.tobytes()
+    assert bytes(keyed.check(encoded(keyed), 0xABC, TOKENS)) == PAYLOAD.tobytes()
     with pytest.raises(ValueRefused, match="checksum kind"):
-        keyed.check(encoded(plain), 0xABC, 0x123, TOKENS)
+        keyed.check(encoded(plain), 0xABC, TOKENS)
     forged = ValueCodec(IDENT.digest, B, P, b"f" * 32)  # knows the format, not the secret
     with pytest.raises(ValueRefused, match="checksum mismatch"):
-        keyed.check(encoded(forged), 0xABC, 0x123, TOKENS)
+        keyed.check(encoded(forged), 0xABC, TOKENS)
     with pytest.raises(ValueRefused, match="checksum kind"):
-        plain.check(encoded(keyed), 0xABC, 0x123, TOKENS)
+        plain.check(encoded(keyed), 0xABC, TOKENS)

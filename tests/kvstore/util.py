@@ -63,16 +63,12 @@ class Blocks:
         self.tokens = [rng.integers(0, 32000, B, dtype=np.int32) for _ in range(n)]
         self.payloads = [rng.integers(0, 256, PAYLOAD, dtype=np.uint8) for _ in range(n)]
 
-    def parent(self, i: int) -> int:
-        return self.hashes[i - 1] if i else 0
-
     def chain(self) -> list[tuple[int, np.ndarray]]:
         return list(zip(self.hashes, self.tokens, strict=True))
 
     def offer_all(self, t: StoreTier) -> int:
         return sum(
-            t.offer(h, self.parent(i), self.tokens[i], [self.payloads[i]])
-            for i, h in enumerate(self.hashes)
+            t.offer(h, self.tokens[i], [self.payloads[i]]) for i, h in enumerate(self.hashes)
         )
 
     def load(self, t: StoreTier, n: int | None = None) -> tuple[int, dict[int, bytes]]:
@@ -81,7 +77,7 @@ class Blocks:
         def sink(i: int, payload: memoryview) -> None:
             got[i] = bytes(payload)
 
-        k = t.load(self.chain()[:n], 0, sink)
+        k = t.load(self.chain()[:n], sink)
         assert sorted(got) == list(range(k))
         for i in range(k):
             assert got[i] == self.payloads[i].tobytes(), f"block {i} differs"
