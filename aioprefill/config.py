@@ -212,6 +212,12 @@ class EngineConfig:
             "EngineConfig.kv_store",
             "the store is the prefix cache's second tier: it needs prefix_cache_bytes > 0",
         )
+        _require(
+            self.kv_store is None or self.tp_size == 1,
+            "EngineConfig.kv_store",
+            "not with tp_size > 1 yet (a group's ranks would first have to agree on the blocks "
+            "they loaded)",
+        )
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")
             _require(

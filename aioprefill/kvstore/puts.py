@@ -91,10 +91,12 @@ class PutQueue:
             slot = self.free.popleft()
         payload = self.codec.write_header(self.slots[slot], block_hash, tokens)
         at = 0
-        for part in parts:
-            flat = memoryview(part).cast("B")
-            payload[at : at + len(flat)] = flat
-            at += len(flat)
+        for part in parts:  # arrays, contiguous or not (a slot's views): one copy each
+            part = np.asarray(part)
+            if at + part.nbytes <= len(payload):
+                dst = np.frombuffer(payload, dtype=part.dtype, count=part.size, offset=at)
+                dst.reshape(part.shape)[...] = part
+            at += part.nbytes
         if at != len(payload):
             with self.cond:
                 self.free.append(slot)

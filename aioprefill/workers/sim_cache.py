@@ -12,9 +12,20 @@ class SimBlocks:
     """The prefix cache slots of a `SimRunner`: each block's token ids and the prompt's CRC32
     at its end (allocated once, touched as written)."""
 
-    def __init__(self, num_blocks: int, block_tokens: int) -> None:
+    def __init__(self, num_blocks: int, block_tokens: int, block_bytes: int = 0) -> None:
         self.tokens = np.empty((num_blocks, block_tokens), dtype=np.int32)
         self.crc = np.empty(num_blocks, dtype=np.uint32)
+        # In the KV store a slot takes its nominal bytes (a real model's KV for the block):
+        # its tokens and CRC, then zeros.
+        self._pad = np.zeros(max(0, block_bytes - 4 * block_tokens - 4), dtype=np.uint8)
+        self._pad.flags.writeable = False
+
+    def slot_arrays(self, slot: int) -> list[np.ndarray]:
+        """One slot's arrays as the KV store keeps them (`aioprefill.kvstore`)."""
+        return [self.tokens[slot], self.crc[slot : slot + 1], self._pad]
+
+    def layout(self) -> str:
+        return f"sim-slot-v1 B{self.tokens.shape[1]} pad{len(self._pad)}"
 
     def read(self, slots: np.ndarray) -> tuple[np.ndarray, int]:
         """(the blocks' tokens back to back, the CRC32 after the last)."""

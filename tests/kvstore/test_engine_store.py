@@ -1,0 +1,125 @@
+"""The store tier through whole engines (SimModel workers, real processes, a real master):
+what one node computed, another node reads instead of computing it, with the whole prompt's
+outputs; blocks a node's local cache evicted come back from the store; killing the master
+mid-run fails no request and changes no answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from aioprefill import Engine, EngineConfig, SimModel
+from aioprefill.kvstore.backend import load_store
+from aioprefill.kvstore.master import LocalMaster
+from aioprefill.prefix.hashing import block_hashes
+from aioprefill.scheduler import Scheduler
+from aioprefill.workers.sim import expected_token, sim_embedding, sim_prompt_logprobs
+from aioprefill.workers.sim_cache import SimBlocks
+from aioprefill.workers.store_hook import identity_for
+from tests.kvstore.util import need_store, options
+
+need_store()
+pytestmark = pytest.mark.asyncio
+
+B = 16
+KV = 64  # SimModel.kv_bytes_per_token: a block's value is 1 KiB plus its header
+MODEL = SimModel(fixed_ms=1.0, per_token_us=50.0, kv_bytes_per_token=KV)
+
+
+@pytest.fixture(autouse=True)
+def _check_invariants(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(Scheduler, "checking", True)
+
+
+@pytest.fixture(scope="module")
+def master():
+    m = LocalMaster().start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def config(master: LocalMaster, cache_blocks: int = 64) -> EngineConfig:
+    return EngineConfig(
+        model=MODEL,
+        prefix_cache_bytes=cache_blocks * B * KV,
+        kv_store="mooncake",
+        kv_store_options=options(master.address),
+    )
+
+
+def ids(start: int, n: int) -> list[int]:
+    return [(start + 7 * i) % 30000 for i in range(n)]
+
+
+def wait_stored(master: LocalMaster, tokens: list[int], salt: str | None = None) -> None:
+    """Wait until the store holds every full block of `tokens` (puts are asynchronous)."""
+    identity = identity_for(MODEL, options(master.address), B, SimBlocks(1, B, B * KV).layout())
+    hashes = block_hashes(np.asarray(tokens, dtype="<i4").tobytes(), B, salt)
+    keys = [identity.key(h) for h in hashes]
+    client = load_store()()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "",
+                        master.address) == 0  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not all(x == 1 for x in client.batch_is_exist(keys)):
+        assert time.monotonic() < deadline, "the blocks never reached the store"
+        time.sleep(0.05)  # waiting on another process's background puts
+
+
+async def test_a_second_node_reads_what_the_first_computed(master):
+    async with Engine(config(master)) as a, Engine(config(master)) as b:
+        prompt = ids(1, 100)  # 6 full blocks; 96 tokens are cacheable, 99 at most read
+        opts = dict(prompt_logprobs=True, embed="mean")
+        first = await a.prefill(prompt, **opts)
+        assert first.cached_tokens == 0
+        await asyncio.to_thread(wait_stored, master, prompt)
+        second = await b.prefill(prompt, **opts)
+        assert second.cached_tokens == 96  # every full block loaded, the rest computed
+        assert second.token == first.token == expected_token(prompt)
+        assert second.logprob == first.logprob
+        np.testing.assert_array_equal(second.prompt_logprobs, sim_prompt_logprobs(prompt))
+        np.testing.assert_allclose(second.embedding, sim_embedding(prompt, "mean"), rtol=1e-6)
+        stats = b.stats().prefix_cache
+        assert stats.store_hit_tokens == 96 and stats.hit_tokens == 0
+        again = await b.prefill(prompt)  # now in b's own cache
+        assert again.cached_tokens == 96 and b.stats().prefix_cache.hit_tokens == 96
+        salted = await b.prefill(prompt, cache_salt="tenant-x")  # another salt: other keys
+        assert salted.cached_tokens == 0 and salted.token == first.token
+
+
+async def test_a_chunked_prompt_loads_its_first_chunk(master):
+    cfg = config(master)
+    cfg.max_batch_tokens = 64
+    async with Engine(cfg) as a, Engine(cfg) as b:
+        prompt = ids(3, 150)  # 9 full blocks, chunks of 64 tokens
+        first = await a.prefill(prompt, prompt_logprobs=True)
+        await asyncio.to_thread(wait_stored, master, prompt)
+        second = await b.prefill(prompt, prompt_logprobs=True)
+        # The first chunk (64 tokens) loads 3 of its 4 blocks and computes one token and on.
+        assert second.cached_tokens == 48
+        assert second.token == first.token
+        np.testing.assert_array_equal(second.prompt_logprobs, first.prompt_logprobs)
+
+
+async def test_killing_the_master_mid_run_fails_no_request(master):
+    m = LocalMaster().start()
+    try:
+        async with Engine(config(m, cache_blocks=8)) as a, Engine(config(m, cache_blocks=8)) as b:
+            prompts = [ids(100 + i, 40 + 9 * i) for i in range(24)]
+            for p in prompts[:6]:
+                await a.prefill(p)
+            results = []
+            for round_ in range(4):
+                if round_ == 2:
+                    m.kill()
+                got = await asyncio.gather(*(e.prefill(p) for p in prompts for e in (a, b)))
+                results.extend(zip([p for p in prompts for _ in (a, b)], got, strict=True))
+            for p, r in results:
+                assert r.token == expected_token(p)
+            assert b.stats().prefix_cache.store_hit_tokens > 0  # before the kill
+    finally:
+        m.stop()
