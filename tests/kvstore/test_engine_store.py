@@ -11,11 +11,12 @@ import time
 import numpy as np
 import pytest
 
-from aioprefill import Engine, EngineConfig, SimModel
+from aioprefill import Engine, EngineConfig, PaddleModel, SimModel
 from aioprefill.kvstore.backend import load_store
 from aioprefill.kvstore.master import LocalMaster
 from aioprefill.prefix.hashing import block_hashes
 from aioprefill.scheduler import Scheduler
+from aioprefill.workers.prefix_blocks import BlockStore
 from aioprefill.workers.sim import expected_token, sim_embedding, sim_prompt_logprobs
 from aioprefill.workers.sim_cache import SimBlocks
 from aioprefill.workers.store_hook import identity_for
@@ -43,12 +44,15 @@ def master():
         m.stop()
 
 
-def config(master: LocalMaster, cache_blocks: int = 64) -> EngineConfig:
+def config(master: LocalMaster, cache_blocks: int = 64, model: object = MODEL) -> EngineConfig:
     return EngineConfig(
-        model=MODEL,
-        prefix_cache_bytes=cache_blocks * B * KV,
+        model=model,  # type: ignore[arg-type]
+        prefix_cache_bytes=cache_blocks * B * KV if model is MODEL else 64 << 20,
         kv_store="mooncake",
-        kv_store_options=options(master.address),
+        # (a SmolLM2 block is 759 KiB: room for a 130-token prompt's blocks)
+        kv_store_options=options(
+            master.address, put_buffer_bytes=16 << 20, load_buffer_bytes=16 << 20
+        ),
     )
 
 
@@ -56,18 +60,29 @@ def ids(start: int, n: int) -> list[int]:
     return [(start + 7 * i) % 30000 for i in range(n)]
 
 
-def wait_stored(master: LocalMaster, tokens: list[int], salt: str | None = None) -> None:
+def wait_stored(
+    master: LocalMaster, tokens: list[int], model: SimModel | PaddleModel = MODEL
+) -> None:
     """Wait until the store holds every full block of `tokens` (puts are asynchronous)."""
-    identity = identity_for(MODEL, options(master.address), B, SimBlocks(1, B, B * KV).layout())
-    hashes = block_hashes(np.asarray(tokens, dtype="<i4").tobytes(), B, salt)
+    if isinstance(model, SimModel):
+        layout = SimBlocks(1, B, B * model.kv_bytes_per_token).layout()
+    else:
+        dims = (model.num_layers, model.num_kv_heads, model.head_dim, model.hidden_size)
+        layout = BlockStore(1, **dict(zip(DIMS, dims, strict=True)), block_tokens=B).layout()
+    identity = identity_for(model, options(master.address), B, layout)
+    hashes = block_hashes(np.asarray(tokens, dtype="<i4").tobytes(), B, None)
     keys = [identity.key(h) for h in hashes]
     client = load_store()()
-    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "",
-                        master.address) == 0  # fmt: skip
-    deadline = time.monotonic() + 30
+    address = master.address
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", address) == 0
+    deadline = time.monotonic() + 60
     while not all(x == 1 for x in client.batch_is_exist(keys)):
         assert time.monotonic() < deadline, "the blocks never reached the store"
         time.sleep(0.05)  # waiting on another process's background puts
+    client.close()
+
+
+DIMS = ("num_layers", "kv_heads", "head_dim", "hidden_size")
 
 
 async def test_a_second_node_reads_what_the_first_computed(master):
