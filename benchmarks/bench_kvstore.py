@@ -115,7 +115,7 @@ def load_rounds(master: str, repeats: int) -> dict[str, dict[str, dict[int, floa
         keys = [t.identity.key(h) for h, _ in chain]
         base = t.loader.buffer.ctypes.data
 
-        def sink(i: int, payload: memoryview, slots: np.ndarray = slots) -> None:
+        def sink(c: int, i: int, payload: memoryview, slots: np.ndarray = slots) -> None:
             slots[i] = np.frombuffer(payload, dtype=np.uint8)
 
         per = times.setdefault(name, {"raw": {}, "tier": {}})
@@ -128,7 +128,7 @@ def load_rounds(master: str, repeats: int) -> dict[str, dict[str, dict[int, floa
                 raw = time.perf_counter() - t0
                 assert all(c == t.value_bytes for c in codes), codes
                 t0 = time.perf_counter()
-                assert t.load(chain[:k], sink) == k, t.stats
+                assert t.load([chain[:k]], sink) == [k], t.stats
                 tier = time.perf_counter() - t0
                 if r >= 2:  # two warm-up rounds
                     per["raw"].setdefault(k, []).append(raw)

@@ -1,11 +1,11 @@
-"""`Loader`: the longest chain of blocks the store holds, fetched into registered staging
-memory, checked, and handed to the worker's block store, within a deadline.
+"""`Loader`: for each chain asked, the longest prefix the store holds, fetched into registered
+staging memory, checked, and handed to the worker's block store, within a deadline.
 
 The forward's thread calls `load` and waits (at most `load_timeout_s`) while the "kvstore-load"
-thread runs one `batch_get_into` for the whole chain and checks each value in order
+thread runs one `batch_get_into` for every chain of the batch and checks each value in order
 (`ValueCodec.check`); the chain stops at the first block missing (never put, or evicted
 since: the store's LRU), failing a check, or not answered. Only then does `load` hand the
-good prefix to `sink(i, payload)`, which copies it into the cache slot: a value's bytes
+good prefixes to `sink(c, i, payload)`, which copies it into the cache slot: a value's bytes
 reach a slot only after every check passed. Past the deadline the link is marked down, the
 worker computes, and the staging buffer stays the late call's until it returns (loads are
 skipped until then), so a late answer never lands in memory that is in use.
@@ -32,12 +32,12 @@ Chain = Sequence[tuple[int, np.ndarray]]
 
 
 class _Job:
-    __slots__ = ("chain", "done", "good")
+    __slots__ = ("chains", "done", "good")
 
-    def __init__(self, chain: Chain) -> None:
-        self.chain = chain
+    def __init__(self, chains: list[Chain]) -> None:
+        self.chains = chains
         self.done = threading.Event()
-        self.good = 0
+        self.good: list[int] = [0] * len(chains)
 
 
 class Loader:
@@ -72,29 +72,39 @@ class Loader:
     def start(self) -> None:
         self.thread.start()
 
-    def load(self, chain: Chain, sink: Callable[[int, memoryview], None]) -> int:
-        """Fetch `chain` (cut to `capacity`); call `sink(i, payload)` for its longest good
-        prefix and return that prefix's length. Never raises for a store fault."""
+    def load(
+        self, chains: Sequence[Chain], sink: Callable[[int, int, memoryview], None]
+    ) -> list[int]:
+        """Fetch every chain at once (one `batch_get_into`; chains past `capacity` blocks in
+        all are cut); call `sink(c, i, payload)` for block i of each chain c's longest good
+        prefix and return those prefixes' lengths. Never raises for a store fault."""
         s = self.stats
-        chain = chain[: self.capacity]
-        if not chain:
-            return 0
+        room, cut = self.capacity, []
+        for chain in chains:
+            cut.append(chain[: max(0, room)])
+            room -= len(cut[-1])
+        if not any(cut):
+            return [0] * len(chains)
         with self.cond:
             if self.busy or not self.link.up.is_set():
                 s.loads_skipped += 1
-                return 0
-            job = self.job = _Job(chain)
+                return [0] * len(chains)
+            job = self.job = _Job(cut)
             self.busy = True
             self.cond.notify()
         s.loads += 1
         if not job.done.wait(self.link.options.load_timeout_s):
             s.load_timeouts += 1
             self.link.timed_out("batch_get_into")
-            return 0
-        for i in range(job.good):
-            sink(i, self.slots[i][-self.codec.payload_bytes :])
-        s.blocks_loaded += job.good
-        s.load_bytes += job.good * self.codec.value_bytes
+            return [0] * len(chains)
+        at, keep = 0, self.codec.payload_bytes
+        for c, (chain, good) in enumerate(zip(cut, job.good, strict=True)):
+            for i in range(good):
+                sink(c, i, self.slots[at + i][-keep:])
+            at += len(chain)
+        total = sum(job.good)
+        s.blocks_loaded += total
+        s.load_bytes += total * self.codec.value_bytes
         return job.good
 
     def close(self, timeout: float) -> bool:
@@ -117,22 +127,31 @@ class Loader:
                 job.good = self._fetch(job)
             except Exception:
                 log.exception("load from the Mooncake Store failed")
-                job.good = 0
+                job.good = [0] * len(job.chains)
             with self.cond:
                 self.busy = False
                 self.cond.notify_all()
             job.done.set()
 
-    def _fetch(self, job: _Job) -> int:
+    def _fetch(self, job: _Job) -> list[int]:
         size = self.codec.value_bytes
-        n = len(job.chain)
+        blocks = [block for chain in job.chains for block in chain]
         base = self.buffer.ctypes.data
         codes = self.link.store.batch_get_into(
-            [self.identity.key(h) for h, _ in job.chain],
-            [base + i * self.stride for i in range(n)],
-            [size] * n,
+            [self.identity.key(h) for h, _ in blocks],
+            [base + i * self.stride for i in range(len(blocks))],
+            [size] * len(blocks),
         )
-        for i, ((block_hash, tokens), code) in enumerate(zip(job.chain, codes, strict=True)):
+        good, at = [], 0
+        for chain in job.chains:
+            good.append(self._good_prefix(chain, codes[at : at + len(chain)], at))
+            at += len(chain)
+        return good
+
+    def _good_prefix(self, chain: Chain, codes: list[int], at: int) -> int:
+        """How many of `chain`'s first blocks arrived whole and passed every check."""
+        size = self.codec.value_bytes
+        for i, ((block_hash, tokens), code) in enumerate(zip(chain, codes, strict=True)):
             if code != size:
                 if code < 0:
                     self.link.failed(code, "batch_get_into")
@@ -140,9 +159,9 @@ class Loader:
                     self.stats.blocks_missing += 1
                 return i
             try:
-                self.codec.check(self.slots[i], block_hash, tokens)
+                self.codec.check(self.slots[at + i], block_hash, tokens)
             except ValueRefused as exc:
                 self.stats.blocks_refused += 1
                 log.warning("refused block %016x from the store: %s", block_hash & (2**64 - 1), exc)
                 return i
-        return n
+        return len(chain)

@@ -86,14 +86,18 @@ class StoreTier:
             o.read_latency_s,
         )
 
-    def load(self, chain: Chain, sink: Callable[[int, memoryview], None]) -> int:
-        """Load the longest good prefix of `chain` (at most `loader.capacity` blocks) when the
-        cost rule says so; `sink(i, payload)` copies block i into its slot. Returns how many
-        blocks were handed over; the caller computes the rest."""
-        if not self.load_pays(min(len(chain), self.loader.capacity)):
+    def load(
+        self, chains: Sequence[Chain], sink: Callable[[int, int, memoryview], None]
+    ) -> list[int]:
+        """For each chain that the cost rule says is worth reading, load its longest good
+        prefix (all chains in one call, `loader.capacity` blocks at most); `sink(c, i,
+        payload)` copies block i of chain c into its slot. Returns, per chain, how many blocks
+        were handed over; the caller computes the rest."""
+        asked = [chain if self.load_pays(len(chain)) else chain[:0] for chain in chains]
+        if not any(asked):
             self.stats.loads_skipped += 1
-            return 0
-        return self.loader.load(chain, sink)
+            return [0] * len(chains)
+        return self.loader.load(asked, sink)
 
     def record_forward(self, seconds: float, computed_tokens: int) -> None:
         self.clock.record(seconds, computed_tokens)

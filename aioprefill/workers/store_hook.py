@@ -103,7 +103,7 @@ class StoreHook:
         assert ro is not None and rs is not None and wo is not None and wf is not None
         b = self.block_tokens
         offsets, starts = batch.offsets.tolist(), batch.start_pos.tolist()
-        loaded = np.zeros(batch.size, dtype=np.int32)
+        chunks, chains, targets = [], [], []
         for i in range(batch.size):
             reads, first = int(ro[i + 1] - ro[i]), int(wf[i])
             if starts[i] != reads * b or first != reads or wo[i + 1] == wo[i]:
@@ -112,19 +112,24 @@ class StoreHook:
             if most <= 0:
                 continue
             a = offsets[i]
-            chain = [
-                (int(hashes[wo[i] + j]), batch.tokens[a + j * b : a + (j + 1) * b])
-                for j in range(most)
-            ]
-            targets: list[int] = ws[wo[i] : wo[i] + most].tolist()
-
-            def fill(j: int, payload: memoryview, targets: list[int] = targets) -> None:
-                self._fill(targets[j], payload)
-
-            loaded[i] = b * self.tier.load(chain, fill)
-        if not loaded.any():
+            chunks.append(i)
+            chains.append(
+                [(int(hashes[wo[i] + j]), batch.tokens[a + j * b : a + (j + 1) * b])
+                 for j in range(most)]
+            )  # fmt: skip
+            targets.append(ws[wo[i] : wo[i] + most].tolist())
+        if not chains:
             return batch, None
-        return _as_reads(batch, loaded // b, b), loaded
+
+        def fill(c: int, j: int, payload: memoryview) -> None:
+            self._fill(targets[c][j], payload)
+
+        got = self.tier.load(chains, fill)
+        if not any(got):
+            return batch, None
+        blocks = np.zeros(batch.size, dtype=np.int32)
+        blocks[chunks] = got
+        return _as_reads(batch, blocks, b), blocks * b
 
     def _fill(self, slot: int, payload: memoryview) -> None:
         at = 0

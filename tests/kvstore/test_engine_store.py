@@ -6,7 +6,9 @@ mid-run fails no request and changes no answer."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,21 +74,29 @@ def wait_stored(
     identity = identity_for(model, options(master.address), B, layout)
     hashes = block_hashes(np.asarray(tokens, dtype="<i4").tobytes(), B, None)
     keys = [identity.key(h) for h in hashes]
-    client = load_store()()
-    address = master.address
-    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", address) == 0
+    client = _client(master.address)
     deadline = time.monotonic() + 60
     while not all(x == 1 for x in client.batch_is_exist(keys)):
         assert time.monotonic() < deadline, "the blocks never reached the store"
         time.sleep(0.05)  # waiting on another process's background puts
-    client.close()
+
+
+@functools.cache
+def _client(address: str) -> Any:
+    """One raw client per master for the whole run (Mooncake's setup and close hold the GIL
+    for a while: not once per wait)."""
+    client = load_store()()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", address) == 0
+    return client
 
 
 DIMS = ("num_layers", "kv_heads", "head_dim", "hidden_size")
 
 
 async def test_a_second_node_reads_what_the_first_computed(master):
-    async with Engine(config(master)) as a, Engine(config(master)) as b:
+    cfg = config(master)
+    cfg.max_batch_tokens = 128  # prompts longer than this run in chunks
+    async with Engine(cfg) as a, Engine(cfg) as b:
         prompt = ids(1, 100)  # 6 full blocks; 96 tokens are cacheable, 99 at most read
         opts = dict(prompt_logprobs=True, embed="mean")
         first = await a.prefill(prompt, **opts)
@@ -105,19 +115,31 @@ async def test_a_second_node_reads_what_the_first_computed(master):
         salted = await b.prefill(prompt, cache_salt="tenant-x")  # another salt: other keys
         assert salted.cached_tokens == 0 and salted.token == first.token
 
-
-async def test_a_chunked_prompt_loads_its_first_chunk(master):
-    cfg = config(master)
-    cfg.max_batch_tokens = 64
-    async with Engine(cfg) as a, Engine(cfg) as b:
-        prompt = ids(3, 150)  # 9 full blocks, chunks of 64 tokens
-        first = await a.prefill(prompt, prompt_logprobs=True)
-        await asyncio.to_thread(wait_stored, master, prompt)
-        second = await b.prefill(prompt, prompt_logprobs=True)
-        # The first chunk (64 tokens) loads 3 of its 4 blocks and computes one token and on.
-        assert second.cached_tokens == 48
+        # A chunked prompt loads in its first chunk: 7 of that chunk's 8 blocks (one token of
+        # every chunk is computed); the later chunks compute.
+        long = ids(3, 300)
+        first = await a.prefill(long, prompt_logprobs=True)
+        await asyncio.to_thread(wait_stored, master, long)
+        second = await b.prefill(long, prompt_logprobs=True)
+        assert second.cached_tokens == 112 and second.num_chunks == first.num_chunks
         assert second.token == first.token
         np.testing.assert_array_equal(second.prompt_logprobs, first.prompt_logprobs)
+
+        # Two prompts sharing a prefix in one batch: the first loads it, the other reads the
+        # slots it fills (piggyback), the same forward.
+        shared = ids(5, 64)
+        await a.prefill([*shared, 1, 2, 3])
+        await asyncio.to_thread(wait_stored, master, shared)
+        busy = asyncio.ensure_future(b.prefill(ids(9, 120)))  # x and y gather meanwhile
+        await asyncio.sleep(0)
+        x, y = await asyncio.gather(b.prefill([*shared, 4, 5]), b.prefill([*shared, 6, 7, 8]))
+        await busy
+        assert x.batch_id == y.batch_id
+        assert (x.cached_tokens, y.cached_tokens) == (64, 64)
+        assert (x.token, y.token) == (
+            expected_token([*shared, 4, 5]),
+            expected_token([*shared, 6, 7, 8]),
+        )
 
 
 async def test_killing_the_master_mid_run_fails_no_request(master):

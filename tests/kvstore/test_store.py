@@ -182,3 +182,28 @@ def test_parts_must_fill_the_payload(reader):
     with pytest.raises(ValueError, match="payload"):
         reader.offer(99, np.zeros(16, np.int32), [np.zeros(10, np.uint8)])
     assert len(reader.puts.free) == reader.puts.slots.__len__()  # the slot came back
+
+
+def test_one_load_answers_every_chain_of_a_batch(master, reader):
+    writer = tier(master.address)
+    try:
+        full, partial, absent = Blocks(3, seed=21), Blocks(4, seed=22), Blocks(2, seed=23)
+        assert full.offer_all(writer) == 3
+        assert partial.offer_all(writer) == 4
+        drain(writer)
+        assert writer.link.store.remove(IDENT.key(partial.hashes[2]), True) == 0
+        got: dict[tuple[int, int], bytes] = {}
+
+        def sink(c: int, i: int, payload: memoryview) -> None:
+            got[c, i] = bytes(payload)
+
+        loads = reader.stats.loads
+        chains = [full.chain(), absent.chain(), partial.chain()]
+        assert reader.load(chains, sink) == [3, 0, 2]
+        assert reader.stats.loads == loads + 1  # one call for the whole batch
+        for c, blocks in ((0, full), (2, partial)):
+            for i in range(3 if c == 0 else 2):
+                assert got[c, i] == blocks.payloads[i].tobytes()
+        assert len(got) == 5
+    finally:
+        writer.close()

@@ -74,10 +74,11 @@ class Blocks:
     def load(self, t: StoreTier, n: int | None = None) -> tuple[int, dict[int, bytes]]:
         got: dict[int, bytes] = {}
 
-        def sink(i: int, payload: memoryview) -> None:
+        def sink(c: int, i: int, payload: memoryview) -> None:
+            assert c == 0
             got[i] = bytes(payload)
 
-        k = t.load(self.chain()[:n], sink)
+        (k,) = t.load([self.chain()[:n]], sink)
         assert sorted(got) == list(range(k))
         for i in range(k):
             assert got[i] == self.payloads[i].tobytes(), f"block {i} differs"
