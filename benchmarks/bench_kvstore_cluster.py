@@ -13,7 +13,9 @@ reported), then `one node` holding the four nodes' cache (`4 * --local-blocks`),
 ratio a single cache reaches: `local` (no store), `store` (kv_store="mooncake").
 
 hit ratio = (tokens read from a local cache + tokens loaded from the store) / prompt tokens;
-computed = prompt tokens - both; TTFT = prefill() call to result, mean and p90 over requests.
+computed = prompt tokens - both; TTFT = prefill() call to result, mean and p90 over requests;
+forward = the mean, over requests, of the worker's time for the forward that answered it
+(store loads and the copies of the blocks put included).
 
     python benchmarks/bench_kvstore_cluster.py [--requests 600] [--speedup 4] [--block 16]
         [--local-blocks 64] [--kv-per-token 2048] [--segment-mb 256]
@@ -65,11 +67,13 @@ async def run(trace, configs: list[EngineConfig], speedup: float) -> dict[str, f
     try:
         t0 = time.monotonic()
         ttft: list[float] = []
+        forward: list[float] = []
 
         async def one(i: int, at: float, ids: list[int]) -> None:
             await asyncio.sleep(max(0.0, t0 + at / speedup - time.monotonic()))
             r = await engines[i % len(engines)].prefill(ids)
             ttft.append((r.finished_ns - r.submitted_ns) / 1e6)
+            forward.append((r.forward_end_ns - r.forward_start_ns) / 1e6)
 
         await asyncio.gather(*(one(i, at, ids) for i, (at, ids) in enumerate(trace)))
         stats = [e.stats().prefix_cache for e in engines]
@@ -87,6 +91,7 @@ async def run(trace, configs: list[EngineConfig], speedup: float) -> dict[str, f
         "computed": prompt - hit - store,
         "ttft_mean_ms": statistics.mean(ttft),
         "ttft_p90_ms": statistics.quantiles(ttft, n=10)[-1],
+        "forward_ms": statistics.mean(forward),
     }
 
 
@@ -139,12 +144,13 @@ def main() -> None:
     )
     print(
         f"{'run':9} {'hit ratio':>9} {'local':>6} {'store':>6} {'computed':>9} "
-        f"{'TTFT mean':>10} {'p90':>8}"
+        f"{'TTFT mean':>10} {'p90':>8} {'forward':>8}"
     )
     for name, r in results.items():
         print(
             f"{name:9} {r['hit_ratio']:9.3f} {r['local_hit']:6.3f} {r['store_hit']:6.3f} "
-            f"{r['computed']:9.0f} {r['ttft_mean_ms']:8.1f}ms {r['ttft_p90_ms']:6.1f}ms"
+            f"{r['computed']:9.0f} {r['ttft_mean_ms']:8.1f}ms {r['ttft_p90_ms']:6.1f}ms "
+            f"{r['forward_ms']:6.1f}ms"
         )
     base, store = results["local"], results["store"]
     print(

@@ -62,9 +62,16 @@ def test_min_blocks_is_the_threshold_of_load_pays():
     assert min_blocks(80_000, 16, 5e-6, 1e9, 1e-3) is None
 
 
-def test_forward_clock_follows_the_worker():
-    clock = ForwardClock(1e-3, alpha=0.5)
-    clock.record(0.010, 100)  # 100 us/token
-    assert clock.seconds_per_token == pytest.approx(0.5e-3 + 0.5e-4)
+def test_forward_clock_fits_the_cost_of_one_more_token():
+    clock = ForwardClock(1e-3)
+    assert clock.seconds_per_token == 1e-3  # before any forward
+    clock.record(0.010 + 500 * 20e-6, 500)
+    assert clock.seconds_per_token == pytest.approx(40e-6)  # one size: the average
     clock.record(1.0, 0)  # no computed tokens: ignored
-    assert clock.seconds_per_token == pytest.approx(0.5e-3 + 0.5e-4)
+    for n in [100, 900, 300, 2000, 50, 700, 1200, 400, 60, 1500] * 3:
+        clock.record(0.010 + n * 20e-6, n)  # 10 ms fixed + 20 us per token
+    assert clock.seconds_per_token == pytest.approx(20e-6, rel=1e-6)
+    same = ForwardClock(1e-3)
+    for _ in range(20):
+        same.record(0.010 + 64 * 20e-6, 64)
+    assert same.seconds_per_token == pytest.approx((0.010 + 64 * 20e-6) / 64)
