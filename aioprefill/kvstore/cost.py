@@ -3,19 +3,20 @@
     load k blocks  iff  read_latency_s + k * value_bytes / read_bytes_per_s
                         < k * block_tokens * seconds_per_token
 
-`read_bytes_per_s` and `read_latency_s` are `KVStoreOptions` fields (defaults set against
-loopback TCP as benchmarks/bench_kvstore.py measures it: docs/kv-store.md);
-`seconds_per_token` is what one more computed token costs the worker, fitted from its own
-forwards as it runs (`ForwardClock`). Blocks
-per chain: the latency is paid once per chain (one `batch_get_into`), so short chains are the
-ones that may not pay; `min_blocks` says from how many on it does.
+Both sides are measured as the worker runs: `seconds_per_token` is what one more computed
+token costs it, fitted from its own forwards (`ForwardClock`); the read side, a load call's
+latency and its time per block, fitted from its own loads (`ReadClock`), starts from the
+`KVStoreOptions` fields `read_latency_s` and `read_bytes_per_s` (defaults set against the
+loopback TCP figures of benchmarks/bench_kvstore.py: docs/kv-store.md). The latency is paid
+once per load call (one `batch_get_into` for the whole batch), so short chains are the ones
+that may not pay; `min_blocks` says from how many on it does.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["ForwardClock", "load_pays", "min_blocks"]
+__all__ = ["ForwardClock", "LinearClock", "ReadClock", "load_pays", "min_blocks"]
 
 
 def load_pays(
@@ -48,38 +49,90 @@ def min_blocks(
     return max(1, math.floor(read_latency_s / gain) + 1)
 
 
-class ForwardClock:
-    """What one more computed token costs this worker: the slope of its forwards' wall time
-    against the tokens they computed, an exponentially weighted least-squares fit over its
-    forwards (a forward also pays a fixed cost, which a load does not save, so the average
-    time per token would overstate the gain). Until the forwards varied enough in size to
-    fit a slope (or when the fit says nothing sensible), the average per token; until the
-    first forward, `initial`."""
+class LinearClock:
+    """seconds = intercept + slope * x, an exponentially weighted least-squares fit over
+    observations (`record(seconds, x)`); until the first one, the guess (`initial_intercept`,
+    `initial_slope`); while every x seen is alike, no intercept and the average slope. Used
+    for a forward's time against the tokens it computed (`ForwardClock`) and a load call's
+    time against the blocks it fetched (`ReadClock`)."""
 
-    __slots__ = ("alpha", "n", "sx", "sxx", "sxy", "sy")
+    __slots__ = ("alpha", "guess", "n", "sx", "sxx", "sxy", "sy")
 
-    def __init__(self, initial: float, alpha: float = 0.05) -> None:
+    def __init__(self, initial_intercept: float, initial_slope: float, alpha: float = 0.05) -> None:
         self.alpha = alpha
+        self.guess = (initial_intercept, initial_slope)
         self.n = 0
-        # Weighted means of tokens, seconds, tokens^2, tokens*seconds (seeded by `initial`).
-        self.sx, self.sy = 1.0, initial
-        self.sxx, self.sxy = 1.0, initial
+        self.sx = self.sy = self.sxx = self.sxy = 0.0  # weighted means: x, s, x^2, x*s
 
-    @property
-    def seconds_per_token(self) -> float:
-        average = self.sy / self.sx if self.sx > 0 else 0.0
-        var = self.sxx - self.sx * self.sx
-        if self.n < 8 or var <= 0.01 * self.sx * self.sx:  # sizes too alike to fit a slope
-            return average
-        slope = (self.sxy - self.sx * self.sy) / var
-        return slope if 0 < slope <= average else average
-
-    def record(self, seconds: float, tokens: int) -> None:
-        if tokens <= 0 or seconds <= 0:
+    def record(self, seconds: float, x: float) -> None:
+        if seconds <= 0 or x < 0:
             return
         a = 1.0 if self.n == 0 else self.alpha
         self.n += 1
-        self.sx += a * (tokens - self.sx)
+        self.sx += a * (x - self.sx)
         self.sy += a * (seconds - self.sy)
-        self.sxx += a * (tokens * tokens - self.sxx)
-        self.sxy += a * (tokens * seconds - self.sxy)
+        self.sxx += a * (x * x - self.sxx)
+        self.sxy += a * (x * seconds - self.sxy)
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(intercept, slope), or None while the x seen are too alike to fit both."""
+        var = self.sxx - self.sx * self.sx
+        if self.n < 2 or var <= 1e-4 * max(1.0, self.sx * self.sx):
+            return None
+        slope = (self.sxy - self.sx * self.sy) / var
+        return self.sy - slope * self.sx, slope
+
+    @property
+    def slope(self) -> float:
+        if self.n == 0:
+            return self.guess[1]
+        fit = self._fit()
+        if fit is None:
+            return self.sy / self.sx if self.sx > 0 else 0.0
+        return fit[1]
+
+    @property
+    def intercept(self) -> float:
+        if self.n == 0:
+            return self.guess[0]
+        fit = self._fit()
+        if fit is None:
+            return 0.0 if self.sx > 0 else self.sy
+        return fit[0]
+
+
+class ForwardClock(LinearClock):
+    """What one more computed token costs this worker: the slope of its forwards' wall time
+    against the tokens they computed (a forward also pays a fixed cost, which a load does not
+    save: the average time per token would overstate the gain). Starts at `initial` per token
+    and no fixed cost; a fitted slope outside (0, the average] gives the average instead."""
+
+    __slots__ = ()
+
+    def __init__(self, initial: float, alpha: float = 0.05) -> None:
+        super().__init__(0.0, initial, alpha)
+
+    def record(self, seconds: float, tokens: float) -> None:
+        if tokens > 0:
+            super().record(seconds, tokens)
+
+    @property
+    def seconds_per_token(self) -> float:
+        if self.n == 0:
+            return self.guess[1]
+        average = self.sy / self.sx
+        slope = self.slope
+        return slope if 0 < slope <= average else average
+
+
+class ReadClock(LinearClock):
+    """A load's wall time against the blocks it fetched (a miss: 0 blocks, the call's
+    latency), starting from the configured `read_latency_s` and bandwidth."""
+
+    __slots__ = ()
+
+    def latency(self) -> float:
+        return max(0.0, self.intercept)
+
+    def per_block(self) -> float:
+        return max(0.0, self.slope)

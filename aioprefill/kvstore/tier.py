@@ -1,6 +1,6 @@
 """`StoreTier`: the Mooncake Store behind one worker's (one rank's) prefix cache, as the worker
-sees it: `offer` the blocks it wrote (put in the background), `load` a chain into its slots
-(checked, within a deadline), `load_pays` (the cost rule), `stats`.
+sees it: `offer` the blocks it wrote (put in the background), `load` chains into its slots
+(checked, within a deadline), `load_pays` (the cost rule, on measured costs), `stats`.
 
 Memory, allocated once here: the put buffer and the load buffer (`KVStoreOptions`), both
 registered with the client so puts and gets are zero-copy; plus the segment the client lends
@@ -10,12 +10,13 @@ Nothing here raises for a store fault: the worker computes instead.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from aioprefill.kvstore.cost import ForwardClock, load_pays
+from aioprefill.kvstore.cost import ForwardClock, ReadClock
 from aioprefill.kvstore.identity import StoreIdentity
 from aioprefill.kvstore.link import StoreLink
 from aioprefill.kvstore.loads import Chain, Loader
@@ -46,6 +47,8 @@ class StoreTier:
         )
         self.stats = StoreStats()
         self.clock = ForwardClock(seconds_per_token)
+        per_block = self.codec.value_bytes / options.read_bytes_per_s
+        self.reads = ReadClock(options.read_latency_s, per_block)
         put_buf = np.zeros(options.put_buffer_bytes, dtype=np.uint8)
         load_buf = np.zeros(options.load_buffer_bytes, dtype=np.uint8)
         self.link = StoreLink(options, [put_buf, load_buf])
@@ -75,16 +78,12 @@ class StoreTier:
         return self.puts.offer(block_hash, tokens, parts)
 
     def load_pays(self, num_blocks: int) -> bool:
-        """The cost rule (`kvstore.cost`) for a chain of `num_blocks`, at this worker's speed."""
-        o = self.options
-        return load_pays(
-            num_blocks,
-            self.codec.value_bytes,
-            self.identity.block_tokens,
-            self.clock.seconds_per_token,
-            o.read_bytes_per_s,
-            o.read_latency_s,
-        )
+        """The cost rule (`kvstore.cost`) for a chain of `num_blocks`, with this worker's own
+        measured read cost (`reads`) and compute cost per token (`clock`)."""
+        if num_blocks <= 0:
+            return False
+        read = self.reads.latency() + num_blocks * self.reads.per_block()
+        return read < num_blocks * self.identity.block_tokens * self.clock.seconds_per_token
 
     def load(
         self, chains: Sequence[Chain], sink: Callable[[int, int, memoryview], None]
@@ -92,12 +91,17 @@ class StoreTier:
         """For each chain that the cost rule says is worth reading, load its longest good
         prefix (all chains in one call, `loader.capacity` blocks at most); `sink(c, i,
         payload)` copies block i of chain c into its slot. Returns, per chain, how many blocks
-        were handed over; the caller computes the rest."""
+        were handed over; the caller computes the rest. The call's time teaches `reads`."""
         asked = [chain if self.load_pays(len(chain)) else chain[:0] for chain in chains]
         if not any(asked):
             self.stats.loads_skipped += 1
             return [0] * len(chains)
-        return self.loader.load(asked, sink)
+        calls, timeouts = self.stats.loads, self.stats.load_timeouts
+        start = time.perf_counter()
+        got = self.loader.load(asked, sink)
+        if self.stats.loads > calls and self.stats.load_timeouts == timeouts:
+            self.reads.record(time.perf_counter() - start, sum(got))
+        return got
 
     def record_forward(self, seconds: float, computed_tokens: int) -> None:
         self.clock.record(seconds, computed_tokens)

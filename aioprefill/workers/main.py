@@ -206,6 +206,8 @@ def _serve_batches(
                         outbox.send_blocking(reply)
                 finally:
                     reply.release()  # out_buffer may grow for the next reply
+                if hook is not None:  # after the answer: off the caller's time to first token
+                    _guarded(hook.put_written, None)
     finally:
         if engine_fd >= 0:
             os.close(engine_fd)
@@ -236,12 +238,12 @@ def _run_batch(
         )
         loaded = None
         if hook is not None:
-            batch, loaded = _guarded(hook.before, batch, (batch, None))
+            batch, loaded = _guarded(hook.before, (batch, None), batch)
         forward_ns = time.monotonic_ns()
         out = runner.forward(batch)
         end_ns = time.monotonic_ns()
-        if hook is not None:
-            _guarded(hook.after, batch, None, (end_ns - forward_ns) / 1e9)
+        if hook is not None:  # its blocks are offered once the answer is sent
+            hook.finished(batch, (end_ns - forward_ns) / 1e9)
     except CollectiveError:
         raise  # not this batch's fault: the group broke
     except Exception as exc:
@@ -274,10 +276,10 @@ def _run_batch(
     )
 
 
-def _guarded(step: Callable[..., Any], batch: ForwardBatch, instead: Any, *args: Any) -> Any:
+def _guarded(step: Callable[..., Any], instead: Any, *args: Any) -> Any:
     """A store step that must never fail a batch: on a bug, log it and go on without."""
     try:
-        return step(batch, *args)
+        return step(*args)
     except Exception:
         logging.getLogger("aioprefill.kvstore").exception("KV store step failed; computing")
         return instead

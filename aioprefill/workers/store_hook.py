@@ -11,9 +11,10 @@ holds its block either way (loaded or computed), so the engine's index stays exa
 failure (store down, block missing, refused, too slow) just means the blocks are computed.
 At least one token of every chunk is computed (a prompt's last token always is).
 
-After the forward (`StoreHook.after`), every block the forward wrote (not those loaded) is
-offered to the store with its hash (`PrefillBatch.write_hashes`): copied into the put buffer
-at once, put by a background thread, dropped if the buffer is full. The answer carries, per
+Once the answer is sent (`StoreHook.put_written`, before the worker takes its next batch, so
+no slot has changed yet), every block the forward wrote (not those loaded) is offered to the
+store with its hash (`PrefillBatch.write_hashes`): copied into the put buffer at once, put by
+a background thread, dropped if the buffer is full. The answer carries, per
 chunk, the tokens loaded (`BatchResult.loaded_tokens`), which the engine adds to the
 request's `cached_tokens`.
 
@@ -89,6 +90,7 @@ class StoreHook:
         self.tier = tier
         self.slots = slots
         self.block_tokens = block_tokens
+        self.written: ForwardBatch | None = None  # the last forward's batch, until put
 
     def before(self, batch: ForwardBatch) -> tuple[ForwardBatch, np.ndarray | None]:
         """The batch to run (its loaded blocks turned into reads) and the tokens loaded per
@@ -140,11 +142,20 @@ class StoreHook:
                 dst[...] = src.reshape(dst.shape)
             at += n
 
-    def after(self, batch: ForwardBatch, seconds: float) -> None:
-        """Offer every block the forward wrote; learn the forward's speed per token."""
+    def finished(self, batch: ForwardBatch, seconds: float) -> None:
+        """The forward of `batch` (as run) took `seconds`: learn the speed per token, and keep
+        the batch for `put_written`, which the worker calls once its answer is sent."""
         self.tier.record_forward(seconds, len(batch.tokens))
-        hashes, wo, ws = batch.write_hashes, batch.write_offsets, batch.write_slots
-        if hashes is None or wo is None or ws is None:
+        self.written = batch
+
+    def put_written(self) -> None:
+        """Offer every block the last forward wrote (copied now: the next batch may reuse
+        the slots); before the worker takes its next batch."""
+        batch, self.written = self.written, None
+        if batch is None:
+            return
+        hashes, ws = batch.write_hashes, batch.write_slots
+        if hashes is None or ws is None:
             return
         for slot, block_hash in zip(ws.tolist(), hashes.tolist(), strict=True):
             arrays = self.slots.slot_arrays(slot)

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.asyncio
 
 B = 16
 KV = 64  # SimModel.kv_bytes_per_token: a block's value is 1 KiB plus its header
-MODEL = SimModel(fixed_ms=1.0, per_token_us=50.0, kv_bytes_per_token=KV)
+# 1 ms per computed token: a 16-token block costs 16 ms to compute, so the cost rule (on the
+# worker's measured read and forward costs) loads whatever the store holds, even on a busy VM.
+MODEL = SimModel(fixed_ms=1.0, per_token_us=1000.0, kv_bytes_per_token=KV)
 
 
 @pytest.fixture(autouse=True)
@@ -146,9 +148,10 @@ async def test_killing_the_master_mid_run_fails_no_request(master):
     m = LocalMaster().start()
     try:
         async with Engine(config(m, cache_blocks=8)) as a, Engine(config(m, cache_blocks=8)) as b:
-            prompts = [ids(100 + i, 40 + 9 * i) for i in range(24)]
+            prompts = [ids(100 + i, 40 + 5 * i) for i in range(12)]
             for p in prompts[:6]:
                 await a.prefill(p)
+                await asyncio.to_thread(wait_stored, m, p)
             results = []
             for round_ in range(4):
                 if round_ == 2:

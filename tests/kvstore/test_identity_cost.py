@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from aioprefill.kvstore.cost import ForwardClock, load_pays, min_blocks
+from aioprefill.kvstore.cost import ForwardClock, ReadClock, load_pays, min_blocks
 from aioprefill.kvstore.identity import StoreIdentity, weights_digest
 
 
@@ -75,3 +75,12 @@ def test_forward_clock_fits_the_cost_of_one_more_token():
     for _ in range(20):
         same.record(0.010 + 64 * 20e-6, 64)
     assert same.seconds_per_token == pytest.approx((0.010 + 64 * 20e-6) / 64)
+
+
+def test_read_clock_starts_from_the_options_then_fits_the_loads():
+    reads = ReadClock(1e-3, 80e-6)
+    assert (reads.latency(), reads.per_block()) == (1e-3, 80e-6)
+    for blocks in [0, 4, 1, 8, 0, 2, 16, 3] * 4:  # misses cost the call alone
+        reads.record(0.3e-3 + blocks * 50e-6, blocks)
+    assert reads.latency() == pytest.approx(0.3e-3, rel=1e-6)
+    assert reads.per_block() == pytest.approx(50e-6, rel=1e-6)
