@@ -66,9 +66,10 @@ class KVStoreOptions:
     warns once, and reconnects in the background after `retry_min_s`, doubling up to
     `retry_max_s`.
 
-    Cost rule: a chain of k blocks is loaded only when `read_latency_s + k * value_bytes /
-    read_bytes_per_s < k * block_tokens * (the worker's measured seconds per computed token)`
-    (defaults measured on loopback TCP: docs/kv-store.md).
+    Cost rule: a chain of k blocks is loaded only when reading it (a call's latency + k times
+    a block's read time) costs less than computing its k * block_tokens tokens, both measured
+    by the worker as it runs; `read_latency_s` and `read_bytes_per_s` are the read side's
+    starting values, until its first load (docs/kv-store.md).
 
     Identity: `model_id` names the weights in store keys (default: a digest of the model spec
     and of sampled bytes of its weight files). `secret`: with bytes (>= 16), values carry a
