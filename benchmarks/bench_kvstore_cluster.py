@@ -5,7 +5,7 @@ The Mooncake synthetic trace (`../shared/traces/mooncake_synthetic_trace.jsonl`,
 `--requests`), scaled down: each 512-token hash id becomes one block of `--block` deterministic
 token ids (so shared hash ids are shared blocks), a prompt's last block is partial, arrivals
 are the trace's times divided by `--speedup`. Four engines in this process, one SimModel worker
-each (the "gpu-class" preset's cost, `--kv-per-token` bytes of nominal KV per token, which is
+each (the `--preset`'s cost, `--kv-per-token` bytes of nominal KV per token, which is
 what a block weighs in the store), each with a local cache of `--local-blocks` blocks; request
 i goes to node i % 4 (round-robin: turn k of a conversation lands on another node). Runs (the store
 ones with a fresh master each), in the order local, store, store, local (ABBA: the means are
@@ -18,7 +18,7 @@ forward = the mean, over requests, of the worker's time for the forward that ans
 (store loads and the copies of the blocks put included).
 
     python benchmarks/bench_kvstore_cluster.py [--requests 600] [--speedup 4] [--block 16]
-        [--local-blocks 64] [--kv-per-token 2048] [--segment-mb 256]
+        [--local-blocks 64] [--kv-per-token 2048] [--segment-mb 256] [--preset gpu-class]
 """
 
 from __future__ import annotations
@@ -104,10 +104,11 @@ def main() -> None:
     ap.add_argument("--kv-per-token", type=int, default=2048)
     ap.add_argument("--segment-mb", type=int, default=256, help="each worker's store segment")
     ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--preset", default="gpu-class", choices=sorted(SIM_PRESETS))
     args = ap.parse_args()
     trace = load_trace(args.trace, args.requests, args.block)
-    gpu = SIM_PRESETS["gpu-class"]
-    model = SimModel(fixed_ms=gpu.fixed_ms, per_token_us=gpu.per_token_us, attn_ns=gpu.attn_ns,
+    cost = SIM_PRESETS[args.preset]
+    model = SimModel(fixed_ms=cost.fixed_ms, per_token_us=cost.per_token_us, attn_ns=cost.attn_ns,
                      kv_bytes_per_token=args.kv_per_token)  # fmt: skip
     block_bytes = args.block * args.kv_per_token
     local = args.local_blocks * block_bytes
@@ -140,7 +141,7 @@ def main() -> None:
     print(
         f"# bench_kvstore_cluster: {args.requests} trace requests, x{args.speedup} speed, "
         f"block {args.block}, {NODES} nodes x {args.local_blocks} local blocks, "
-        f"{args.kv_per_token} B/token of KV ({block_bytes} B/block), gpu-class SimModel"
+        f"{args.kv_per_token} B/token of KV ({block_bytes} B/block), {args.preset} SimModel"
     )
     print(
         f"{'run':9} {'hit ratio':>9} {'local':>6} {'store':>6} {'computed':>9} "

@@ -44,6 +44,7 @@ class StoreLink:
         self.buffers = buffers
         self.store: Any = None
         self.up = threading.Event()
+        self.tried = threading.Event()  # the first connect attempt ended (either way)
         self.retry_s = options.retry_min_s
         self.warned = False  # this outage was warned about (one warning per outage)
         self.connects = 0
@@ -51,7 +52,13 @@ class StoreLink:
 
     def connect(self) -> bool:
         """Make the client (first time) or ask the master whether it is back. Put thread only;
-        may block for as long as Mooncake takes to give up."""
+        may block for as long as Mooncake takes to give up. Sets `tried` either way."""
+        try:
+            return self._connect()
+        finally:
+            self.tried.set()
+
+    def _connect(self) -> bool:
         o = self.options
         if self.store is None:
             # Mooncake's setup waits ~90 s for an absent master: knock first, retry later.

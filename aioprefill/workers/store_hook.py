@@ -61,9 +61,10 @@ def make_hook(spec: protocol.WorkerSpec, runner: Any) -> StoreHook | None:
     first_guess = getattr(spec.model, "per_token_us", 1000.0) * 1e-6
     tier = StoreTier(spec.kv_store, identity, payload, seconds_per_token=first_guess)
     tier.start()
-    # Connecting takes ~0.1 s with the master up (and fails at once with nothing listening):
-    # worth waiting for, so the first batches already use the store. Never longer than this.
-    tier.wait_up(spec.kv_store.load_timeout_s)
+    # The first attempt to connect takes ~0.1 s with the master up and fails at once with
+    # nothing listening: worth waiting for (the first batches already use the store), never
+    # longer than this.
+    tier.link.tried.wait(spec.kv_store.load_timeout_s)
     return StoreHook(tier, slots, spec.block_tokens)
 
 

@@ -163,3 +163,14 @@ async def test_killing_the_master_mid_run_fails_no_request(master):
             assert b.stats().prefix_cache.store_hit_tokens > 0  # before the kill
     finally:
         m.stop()
+
+
+async def test_an_engine_whose_master_is_absent_starts_and_serves():
+    nobody = LocalMaster()  # its port, with nothing listening on it
+    async with Engine(config(nobody)) as engine:
+        prompt = ids(11, 40)
+        for _ in range(2):
+            r = await engine.prefill(prompt)
+            assert r.token == expected_token(prompt)
+        assert r.cached_tokens == 32  # the local cache works as without a store
+        assert engine.stats().prefix_cache.store_hit_tokens == 0
