@@ -116,9 +116,9 @@ def main() -> None:
     def cfg(cache: int, master: str | None = None) -> EngineConfig:
         extra = {}
         if master is not None:
-            store = KVStoreOptions(master=master, segment_bytes=args.segment_mb << 20,
-                                   put_buffer_bytes=max(8 << 20, 64 * block_bytes),
-                                   load_buffer_bytes=max(8 << 20, 64 * block_bytes))  # fmt: skip
+            store = KVStoreOptions(
+                master=master, segment_bytes=args.segment_mb << 20
+            )  # buffers: defaults
             extra = {"kv_store": "mooncake", "kv_store_options": store}
         return EngineConfig(model=model, prefix_cache_bytes=cache, prefix_block_tokens=args.block,
                             **extra)  # type: ignore[arg-type]  # fmt: skip
