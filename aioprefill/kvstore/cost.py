@@ -58,11 +58,24 @@ class LinearClock:
 
     __slots__ = ("alpha", "guess", "n", "sx", "sxx", "sxy", "sy")
 
-    def __init__(self, initial_intercept: float, initial_slope: float, alpha: float = 0.05) -> None:
+    def __init__(
+        self,
+        initial_intercept: float,
+        initial_slope: float,
+        alpha: float = 0.05,
+        *,
+        replace_guess: bool = True,
+    ) -> None:
         self.alpha = alpha
         self.guess = (initial_intercept, initial_slope)
         self.n = 0
         self.sx = self.sy = self.sxx = self.sxy = 0.0  # weighted means: x, s, x^2, x*s
+        if not replace_guess:
+            # The guess counts as the first two observations (at x = 1 and 3) and fades like
+            # any other: no single observation (a slow first call) decides alone.
+            y1, y3 = initial_intercept + initial_slope, initial_intercept + 3 * initial_slope
+            self.n = 2
+            self.sx, self.sy, self.sxx, self.sxy = 2.0, (y1 + y3) / 2, 5.0, (y1 + 3 * y3) / 2
 
     def record(self, seconds: float, x: float) -> None:
         if seconds <= 0 or x < 0:
@@ -127,9 +140,19 @@ class ForwardClock(LinearClock):
 
 class ReadClock(LinearClock):
     """A load's wall time against the blocks it fetched (a miss: 0 blocks, the call's
-    latency), starting from the configured `read_latency_s` and bandwidth."""
+    latency), starting from the configured `read_latency_s` and bandwidth, which count as two
+    observations and fade; one slow call (connecting to a peer) decides nothing alone."""
 
     __slots__ = ()
+
+    def __init__(self, latency: float, per_block: float, alpha: float = 0.1) -> None:
+        super().__init__(latency, per_block, alpha, replace_guess=False)
+
+    def record(self, seconds: float, x: float) -> None:
+        # An outlier (a call that paid for connecting to a peer) counts as at most 4x what
+        # was expected: a real slowdown still gets in, a few calls later.
+        expected = self.latency() + x * self.per_block()
+        super().record(min(seconds, 4 * expected + 1e-4), x)
 
     def latency(self) -> float:
         return max(0.0, self.intercept)

@@ -27,6 +27,10 @@ from aioprefill.kvstore.value import ValueCodec
 
 __all__ = ["StoreTier"]
 
+# When the cost rule keeps refusing, every this-many-th batch loads anyway, so that the
+# measured read cost follows the store.
+_PROBE_EVERY = 64
+
 
 class StoreTier:
     """The store tier of one worker. `payload_bytes`: one cache slot's bytes (what a block
@@ -55,6 +59,7 @@ class StoreTier:
         self.puts = PutQueue(self.link, identity, self.codec, put_buf, self.stats)
         self.loader = Loader(self.link, identity, self.codec, load_buf, self.stats)
         self.started = False
+        self.refused = 0  # batches in a row whose loads the rule refused
 
     @property
     def value_bytes(self) -> int:
@@ -93,9 +98,14 @@ class StoreTier:
         payload)` copies block i of chain c into its slot. Returns, per chain, how many blocks
         were handed over; the caller computes the rest. The call's time teaches `reads`."""
         asked = [chain if self.load_pays(len(chain)) else chain[:0] for chain in chains]
-        if not any(asked):
+        if any(asked):
+            self.refused = 0
+        else:
             self.stats.loads_skipped += 1
-            return [0] * len(chains)
+            self.refused += 1
+            if self.refused % _PROBE_EVERY:
+                return [0] * len(chains)
+            asked = list(chains)  # now and then anyway: a refused load teaches nothing
         calls, timeouts = self.stats.loads, self.stats.load_timeouts
         start = time.perf_counter()
         got = self.loader.load(asked, sink)

@@ -168,6 +168,10 @@ class StoreHook:
         return next(a for a in arrays if a.dtype == np.int32 and a.ndim == 1)
 
     def close(self) -> None:
+        import os
+
+        if os.environ.get("AIOP_STORE_DIAG"):
+            log.warning("store stats: %s", self.tier.stats)
         self.tier.close()
 
 

@@ -79,8 +79,10 @@ def test_forward_clock_fits_the_cost_of_one_more_token():
 
 def test_read_clock_starts_from_the_options_then_fits_the_loads():
     reads = ReadClock(1e-3, 80e-6)
-    assert (reads.latency(), reads.per_block()) == (1e-3, 80e-6)
-    for blocks in [0, 4, 1, 8, 0, 2, 16, 3] * 4:  # misses cost the call alone
+    assert reads.latency() == pytest.approx(1e-3) and reads.per_block() == pytest.approx(80e-6)
+    reads.record(0.2, 0)  # a first call that paid for connecting: one vote among several
+    assert reads.latency() < 0.05
+    for blocks in [0, 4, 1, 8, 0, 2, 16, 3] * 12:  # misses cost the call alone
         reads.record(0.3e-3 + blocks * 50e-6, blocks)
-    assert reads.latency() == pytest.approx(0.3e-3, rel=1e-6)
-    assert reads.per_block() == pytest.approx(50e-6, rel=1e-6)
+    assert reads.latency() == pytest.approx(0.3e-3, rel=0.05)
+    assert reads.per_block() == pytest.approx(50e-6, rel=0.05)
