@@ -8,8 +8,7 @@ docs/architecture.md. All of it lives on the engine's loop: no threads, locks or
 - a caller's `prefill()` (the request joins the queue; an idle group may get it at once),
 - a group's forward-done eventfd (with policy ``forward`` the group is handed its next batch
   *before* its answer is decoded, so the gap between its forwards is one wake-up),
-- a group's death (its requests are retried or failed, and it is restarted),
-- the policy's timer (``timeout``) and the pool's forward timers.
+- a group's death (its requests retried or failed, it restarted), and the timers.
 """
 
 from __future__ import annotations
@@ -67,7 +66,8 @@ class Engine(EngineControls):
         self._timer = LoopTimer(self._on_timer)
         # chosen once: no event branches on its name
         policy = policy_class(config.policy, expert_parallel=config.expert_parallel)
-        self._sched = Scheduler(budget, staging=policy.staging, cache=prefix_cache_for(config))
+        cache = prefix_cache_for(config, self._pool.slots)  # what every group's cache holds
+        self._sched = Scheduler(budget, staging=policy.staging, cache=cache)
         transfer = TransferRegistry(config.kv_transfer_options) if config.kv_transfer else None
         self._kv = KVExports(config.model, config.max_kv_export_bytes, transfer)
         self._outcomes = Outcomes(self._sched, self._pool.free_later, self._stats, self._kv)
@@ -215,8 +215,7 @@ class Engine(EngineControls):
         if Scheduler.checking:
             self._sched.check_invariants(self._pool.in_flight_batches())
 
-    def _cancel(self, req: Request) -> None:
-        """The caller went away: drop the request wherever it is."""
+    def _cancel(self, req: Request) -> None:  # the caller went away: drop it wherever it is
         self._outcomes.cancelled(req)
         self._after_event()
 
@@ -246,13 +245,14 @@ class Engine(EngineControls):
         if not done:
             return
         for batch in done:
-            free = self._sched.answered(batch)  # (its cache slots released too)
+            free = self._sched.release(batch.chunks)
             if free >= 0 and slot.ready:  # a cancelled prompt's chunk: drop its KV cache
                 self._pool.free_later(slot.index, [free])
         # Next batch first: every microsecond spent here before the ring write is bubble.
         if self._sched.num_pending and self._life.serving:
             self._policy.on_forward_done(slot.index)
         for batch in done:
+            self._sched.unpin(batch)  # its prefix cache slots: after the next batch went
             msg = batch.answer
             if isinstance(msg, BatchFailed):
                 self._outcomes.fail_batch(slot.index, batch, msg)

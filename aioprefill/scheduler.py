@@ -26,6 +26,7 @@ from aioprefill.core import Budget, Chunk, Request
 from aioprefill.invariants import recount
 from aioprefill.prefix.cache import PrefixCache
 from aioprefill.prefix.plan import BatchPlan
+from aioprefill.protocol import BatchFailed
 
 __all__ = ["BatchSink", "InFlight", "Scheduler"]
 
@@ -35,11 +36,11 @@ class InFlight(Protocol):
 
     chunks: list[Chunk]
     pins: Any
+    answer: Any
 
 
 class BatchSink(Protocol):
-    """Where formed batches go: the `WorkerPool`, or a fake one in tests. With a prefix cache
-    the scheduler also reads its `slots` (`cache_blocks`, `block_bytes`, `generation`)."""
+    """Where formed batches go: the `WorkerPool`, or a fake one in tests."""
 
     def send(self, group: int, columns: Columns, *, backlogged: bool) -> InFlight | None:
         """Write one batch to every rank of `group`; None (nothing written) if a ring is full."""
@@ -76,7 +77,7 @@ class Scheduler:
         `outputs`: its `aioprefill.outputs.Outputs`, when it asked for more than a token;
         `tag`: the caller's request_id; `salt`: its cache_salt (hashed into its blocks)."""
         req = Request(next(self._ids), tokens, submitted_ns, handle, outputs=outputs, tag=tag)
-        if self.cache is not None:
+        if self.cache is not None and len(tokens) >= self.cache.min_bytes:  # a full block
             req.hashes = self.cache.hashes(tokens, salt)
         if not (self.staging and not self.pending and self.staged.try_add(req, self.budget)):
             self.pending.append(req)
@@ -140,7 +141,7 @@ class Scheduler:
     def _plan(self, group: int, sink: BatchSink, *, route: bool = False) -> BatchPlan | None:
         if self.cache is None:
             return None
-        return self.cache.plan(group, sink.slots, route=route)  # type: ignore[attr-defined]
+        return self.cache.plan(group, route=route)
 
     def _send(
         self,
@@ -266,14 +267,13 @@ class Scheduler:
 
     # ---- answers and deaths ---------------------------------------------------------------
 
-    def answered(self, batch: InFlight) -> int:
-        """A batch's answer (or failure) came back: its cache slots are released, then as
-        `release`."""
+    def unpin(self, batch: InFlight) -> None:
+        """A batch's answer (or failure) came back: the prefix cache slots it used may be
+        evicted again (those it was to write forgotten if it failed)."""
         if batch.pins is not None:
             assert self.cache is not None
-            self.cache.release(batch.pins)
+            self.cache.release(batch.pins, failed=isinstance(batch.answer, BatchFailed))
             batch.pins = None
-        return self.release(batch.chunks)
 
     def release(self, chunks: list[Chunk]) -> int:
         """A batch's forward ended: a prompt it carried a middle chunk of may send its next.

@@ -47,7 +47,16 @@ class Tokenizer:
     `len(tokenizer)`). `name_or_path` is the absolute local path it was loaded from.
     """
 
-    __slots__ = ("_backend", "_clean_up", "_wrap", "bos_token_id", "eos_token_id", "name_or_path")
+    __slots__ = (
+        "_backend",
+        "_clean_up",
+        "_wrap",
+        "bos_token_id",
+        "chat_template",
+        "eos_token_id",
+        "name_or_path",
+        "special_tokens",
+    )
 
     def __init__(
         self,
@@ -57,6 +66,8 @@ class Tokenizer:
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
         clean_up_tokenization_spaces: bool = False,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
     ) -> None:
         # transformers truncates and pads only when asked: a tokenizer.json's settings are not
         # applied by `encode`
@@ -68,6 +79,10 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self._clean_up = clean_up_tokenization_spaces
+        # the model's chat template (None: it has none) and the special tokens' texts it may
+        # use (`bos_token`, `eos_token`, `unk_token`, `pad_token`), as transformers passes them
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -107,6 +122,11 @@ class Tokenizer:
         eos = _token_text(config.get("eos_token", special.get("eos_token")))
         bos_id = backend.token_to_id(bos) if bos is not None else None
         eos_id = backend.token_to_id(eos) if eos is not None else None
+        special_texts = {
+            f"{name}_token": text
+            for name in ("bos", "eos", "unk", "pad")
+            if (text := _token_text(config.get(f"{name}_token", special.get(f"{name}_token"))))
+        }
         # transformers 5 decodes BPE vocabularies without its clean-up whatever the config says
         clean_up = bool(config.get("clean_up_tokenization_spaces")) and (
             type(backend.model).__name__ != "BPE"
@@ -117,6 +137,8 @@ class Tokenizer:
             bos_token_id=bos_id,
             eos_token_id=eos_id,
             clean_up_tokenization_spaces=clean_up,
+            chat_template=_dir_chat_template(d, config),
+            special_tokens=special_texts,
         )
 
     # ---- encoding ----------------------------------------------------------------------
@@ -240,6 +262,19 @@ def _token_text(token: object) -> str | None:
     if isinstance(token, dict):
         token = token.get("content")
     return token if isinstance(token, str) else None
+
+
+def _dir_chat_template(d: Path, config: dict[str, Any]) -> str | None:
+    """A checkpoint's chat template as transformers finds it: `chat_template.jinja` first, then
+    tokenizer_config.json's `chat_template` (a string, or named templates: the "default")."""
+    jinja = d / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    found = config.get("chat_template")
+    if isinstance(found, list):
+        named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
+        found = named.get("default")
+    return found if isinstance(found, str) else None
 
 
 def _clean_up_spaces(text: str) -> str:

@@ -107,7 +107,18 @@ def gguf_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     backend.post_processor = bos_eos_template(tk, (bos, bos_id, add_bos), (eos, eos_id, add_eos))
-    return backend, {"bos_token_id": bos_id, "eos_token_id": eos_id}
+    texts = {
+        f"{name}_token": tokens[i]
+        for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))
+        if isinstance(i := meta.get(f"tokenizer.ggml.{key}_token_id"), int) and i < len(tokens)
+    }
+    template = meta.get("tokenizer.chat_template")
+    return backend, {
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "chat_template": template if isinstance(template, str) else None,
+        "special_tokens": texts,
+    }
 
 
 def _byte_level(tk: Any, meta: dict[str, Any], tokens: list[str]) -> Any:

@@ -116,7 +116,8 @@ def validate_controls(deadline_s: Any, request_id: Any, cache_salt: Any = None) 
     """Refuse a `deadline_s` that is not a finite number >= 0, a `request_id` that is
     neither a str nor an int (it is shown in errors and logs), and a `cache_salt` that is not
     None or a non-empty str of at most 256 characters."""
-    check_salt(cache_salt)
+    if cache_salt is not None:
+        check_salt(cache_salt)
     if deadline_s is not None and (
         isinstance(deadline_s, bool)
         or not isinstance(deadline_s, (int, float))

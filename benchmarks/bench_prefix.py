@@ -5,7 +5,12 @@
    `SimModel(fixed_ms=2)` worker, batches of 16: requests/s and the bubble between forwards,
    cache off and on interleaved (ABBA...), so the cost of hashing, planning and writing blocks
    that are never read is measured against the same machine state.
-3. Reuse: 32 prompts sharing a 1,000-token prefix plus 50 tokens each, sent at once after the
+3. Scheduling cost in process (a real `Scheduler` and `PrefixCache` against a sink that accepts
+   every batch; no workers, so the machine's other load matters far less): microseconds per
+   request to submit, form and send batches of 16 and release them, cache off vs on, for 1-token
+   prompts (nothing to hash), unique 512-token prompts (32 blocks hashed and written each, never
+   read) and a repeated 512-token prompt (31 blocks read each); the best of 5 interleaved runs.
+4. Reuse: 32 prompts sharing a 1,000-token prefix plus 50 tokens each, sent at once after the
    prefix was seen once: tokens computed (`stats().tokens`), and a chat turn (1,000 tokens of
    history + 50 new) with the tiny Llama's CPU cost model: its forward time, on vs off.
 
@@ -25,7 +30,10 @@ import numpy as np
 import uvloop
 
 from aioprefill import Engine, EngineConfig, SimModel
-from aioprefill.prefix import block_hashes
+from aioprefill.columns import Columns
+from aioprefill.core import Budget, InFlightBatch
+from aioprefill.prefix import PrefixCache, block_hashes
+from aioprefill.scheduler import Scheduler
 
 
 def hashing(repeats: int) -> tuple[float, int]:
@@ -54,6 +62,56 @@ async def no_reuse(cache_bytes: int, num: int, rng: random.Random) -> tuple[floa
     forwards = sorted({(r.forward_start_ns, r.forward_end_ns) for r in results})
     gaps = [b[0] - a[1] for a, b in itertools.pairwise(forwards)][3:]
     return len(results) / elapsed, statistics.median(gaps) / 1e3
+
+
+class _Slot:
+    cache_blocks, block_bytes, generation, usable = 4096, 1, 1, True
+    in_flight: tuple = ()
+
+
+class _Sink:
+    """Accepts every batch (packing it, as the pool does before encoding)."""
+
+    def __init__(self) -> None:
+        self.slots = [_Slot()]
+        self.last: InFlightBatch | None = None
+
+    def send(self, group: int, columns: Columns, *, backlogged: bool) -> InFlightBatch:
+        columns.pack(1, [], 0)
+        self.last = InFlightBatch(1, columns.num_tokens, 0, backlogged)
+        return self.last
+
+
+def scheduling_us(prompts: list[bytes], cache_on: bool) -> float:
+    """Microseconds per request: submit all, then dispatch batches of 16 and answer each."""
+    sink = _Sink()
+    cache = PrefixCache(sink.slots, 16) if cache_on else None
+    sched = Scheduler(Budget(1 << 20, 16), staging=True, cache=cache)
+    t0 = time.perf_counter_ns()
+    for tokens in prompts:
+        sched.submit(tokens, 0, None)
+    while sched.num_pending:
+        sched.dispatch(0, sink, backlogged=True)
+        assert sink.last is not None
+        sched.release(sink.last.chunks)
+        sched.unpin(sink.last)
+        sched.finish(len(sink.last.chunks))
+    return (time.perf_counter_ns() - t0) / 1e3 / len(prompts)
+
+
+def scheduling(num: int) -> list[tuple[str, float, float]]:
+    rng = np.random.default_rng(3)
+    one = [np.asarray([1], "<i4").tobytes()] * num
+    unique = [rng.integers(0, 32000, 512).astype("<i4").tobytes() for _ in range(num)]
+    same = [unique[0]] * num
+    rows = []
+    for name, prompts in (("1-token", one), ("unique 512", unique), ("repeated 512", same)):
+        off, on = [], []
+        for _ in range(5):
+            off.append(scheduling_us(prompts, False))
+            on.append(scheduling_us(prompts, True))
+        rows.append((name, min(off), min(on)))
+    return rows
 
 
 async def reuse(cache_bytes: int) -> tuple[int, float]:
@@ -90,6 +148,12 @@ async def main(args: argparse.Namespace) -> None:
     )
     gap = statistics.median(b for _, b in rows["on"]) / statistics.median(b for _, b in rows["off"])
     print(f"\non/off (medians): requests/s {rate:.3f}, bubble {gap:.2f}\n")
+    print("### Scheduling cost in process, us per request (best of 5, interleaved)\n")
+    print("| prompts | cache off | cache on | on - off |")
+    print("| --- | --- | --- | --- |")
+    for name, off_us, on_us in scheduling(2000 if args.quick else 8000):
+        print(f"| {name} | {off_us:.2f} | {on_us:.2f} | {on_us - off_us:+.2f} |")
+    print()
     off, on = await reuse(0), await reuse(1 << 30)
     print("### Reuse: 32 prompts = 1,000 shared tokens + 50 each; a 1,050-token chat turn\n")
     print("| cache | tokens computed (burst) | chat turn forward ms |")

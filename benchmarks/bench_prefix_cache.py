@@ -15,16 +15,24 @@ b. Scoring (lm-eval's multiple choice): a 5-shot context of 600 tokens, 4 choice
    writer did not ask, the LM head on their stored hidden rows. Piggyback (a cold cache): the
    first choice writes the context, the other three read it in the same forward.
 c. Deterministic mode (bitwise results): the chat turn, hit vs off.
+d. The chat turn through the engine (`--engine`): two engines side by side, one SmolLM2 worker
+   each (`prefix_cache_bytes` default vs 0), turns alternating between them (A B B A ...): each
+   turn is the same 1,000-token history plus 50 new tokens, timed from `prefill()` to its
+   result (the cache-on engine saw the history once before, as the previous turn).
+e. A burst through the cache-on engine (`--engine`): 32 prompts sharing a 1,000-token prefix
+   nobody cached, each + 50 tokens of its own, sent at once: the tokens computed (prompt tokens
+   minus `cached_tokens`) against the prefix + the 32 suffixes.
 
 Each pair is measured side by side, interleaved (A B B A ...); medians of `--repeats`; quote
 the ratios (the machine is shared). Outputs are checked equal (1e-5 relative) on the way.
 
-    python benchmarks/bench_prefix_cache.py [--repeats 5] [--threads 1]
+    python benchmarks/bench_prefix_cache.py [--repeats 5] [--threads 1] [--engine]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import statistics
 import time
@@ -159,14 +167,59 @@ def scoring(runner, rng: np.random.Generator, repeats: int) -> None:
     )
 
 
+async def engine_chat(model: PaddleModel, repeats: int) -> None:
+    from aioprefill import Engine, EngineConfig
+
+    rng = np.random.default_rng(1)
+    history = rng.integers(0, model.vocab_size, 1000).tolist()
+    async with (
+        Engine(EngineConfig(model=model)) as on,
+        Engine(EngineConfig(model=model, prefix_cache_bytes=0)) as off,
+    ):
+        await on.prefill(history)  # the previous turn
+        times: dict[str, list[float]] = {"cache off": [], "cache on": []}
+        for r in range(repeats):
+            turn = history + rng.integers(0, model.vocab_size, 50).tolist()
+            pair = [("cache off", off), ("cache on", on)]
+            answers = {}
+            for name, engine in pair if r % 2 == 0 else pair[::-1]:
+                t = time.perf_counter()
+                answers[name] = await engine.prefill(turn)
+                times[name].append(time.perf_counter() - t)
+            a, b = answers["cache on"], answers["cache off"]
+            assert a.cached_tokens == 992 and a.token == b.token
+            assert abs(a.logprob - b.logprob) <= 1e-5
+        t = {k: statistics.median(v) for k, v in times.items()}
+        report("d. chat turn through the engine: 1,000 cached + 50 new", t, "cache off")
+        prefix = rng.integers(0, model.vocab_size, 1000).tolist()
+        burst = [prefix + rng.integers(0, model.vocab_size, 50).tolist() for _ in range(32)]
+        start = time.perf_counter()
+        results = await asyncio.gather(*(on.prefill(p) for p in burst))
+        wall = time.perf_counter() - start
+        computed = sum(len(p) - r.cached_tokens for p, r in zip(burst, results, strict=True))
+        ideal = 1000 + 32 * 50
+        print(
+            f"\ne. burst of 32 sharing a new 1,000-token prefix: {computed:,} tokens computed, "
+            f"{computed / ideal:.2f}x the prefix + 32 suffixes ({ideal:,}); "
+            f"{max(r.batch_size for r in results)} in the largest batch; {wall:.1f} s"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--engine", action="store_true", help="only d., through the engine")
     args = parser.parse_args()
     from aioprefill.workers.paddle_runner import PaddleRunner
     from tests.hf.smollm2 import gguf_path
 
+    if args.engine:
+        import uvloop
+
+        model = PaddleModel.from_pretrained(gguf_path(), device="cpu", num_threads=args.threads)
+        uvloop.run(engine_chat(model, args.repeats))
+        return
     rng = np.random.default_rng(0)
     for det in (False, True):
         spec = PaddleModel.from_pretrained(

@@ -34,7 +34,7 @@ async def run(args: argparse.Namespace) -> None:
     sim = ["--sim-fixed-ms", "5", "--sim-per-token-us", "0"] if path == "sim" else []
     server = subprocess.Popen(
         [sys.executable, "-m", "aioprefill.serve", "--model", path, *sim, "--port", str(port),
-         "--server", args.server],
+         "--server", args.server, "--workers", "1", "--threads", "1"],  # as the engine beside it
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
     )  # fmt: skip
     rng = random.Random(0)

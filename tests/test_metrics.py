@@ -55,3 +55,20 @@ async def test_scrape_reflects_stats_with_cumulative_second_buckets():
         if k.startswith("aioprefill_queue_seconds_bucket") and "+Inf" not in k
     ]
     assert bounds == sorted(bounds) and len(bounds) == len(stats.queue_us.histogram.bounds)
+
+
+async def test_prefix_cache_counters_and_gauges():
+    model = SimModel(fixed_ms=1.0, per_token_us=0.0, kv_bytes_per_token=16)
+    async with Engine(EngineConfig(model=model, prefix_cache_bytes=4 * 16 * 16)) as engine:
+        registry = metrics.registry_for(engine)
+        prompt = list(range(1, 50))  # three full blocks
+        await engine.prefill(prompt)
+        await engine.prefill(prompt)
+        await engine.prefill(list(range(100, 150)))  # three more: two evicted
+        s = scrape(registry)
+    assert s["aioprefill_prefix_cache_queries_total"] == 49 + 49 + 50
+    assert s["aioprefill_prefix_cache_hits_total"] == 48
+    assert s["aioprefill_prefix_cache_evictions_total"] == 2
+    assert s["aioprefill_prefix_cache_blocks"] == 4
+    assert s["aioprefill_prefix_cache_bytes"] == 4 * 16 * 16
+    assert s["aioprefill_prefix_cache_capacity_blocks"] == 4

@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from aioprefill import Engine, EngineConfig, InvalidRequest, SimModel
+from aioprefill import Engine, EngineConfig, ForwardFailed, InvalidRequest, SimModel
 from aioprefill.scheduler import Scheduler
 from aioprefill.workers.sim import (
     expected_logprob,
@@ -165,3 +165,33 @@ async def test_several_workers_route_a_request_to_the_one_holding_its_prefix():
         hit = sum(r.cached_tokens for r in results) / (320 * len(burst))
         print("burst hit ratio", hit)
         assert {r.worker for r in results} == {0, 1} and hit > 0.8, hit
+
+
+async def test_a_failed_forward_leaves_nothing_cached_that_it_did_not_store():
+    model = SimModel(fixed_ms=1.0, per_token_us=0.0, kv_bytes_per_token=KV, fail_token=29999)
+    async with Engine(EngineConfig(model=model, prefix_cache_bytes=1 << 20)) as engine:
+        p = ids(17, 64)
+        with pytest.raises(ForwardFailed):
+            await engine.prefill([*p, 29999])  # was to write p's four blocks
+        assert engine.stats().prefix_cache.blocks == 0
+        r = await engine.prefill([*p, 1])
+        assert r.cached_tokens == 0
+        check(r, [*p, 1])
+        assert (await engine.prefill([*p, 2])).cached_tokens == 64
+
+
+@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"num_workers": 2, "expert_parallel": True}])
+async def test_rank_groups_every_tp_rank_and_each_ep_rank_keeps_a_cache(layout):
+    cfg = EngineConfig(model=sim(), prefix_cache_bytes=1 << 20, **layout)
+    async with Engine(cfg) as engine:
+        p = ids(21, 79)
+        await engine.prefill(p)
+        again = await engine.prefill(p)
+        check(again, p)
+        stats = engine.stats().prefix_cache
+        prompts = [p[:64] + ids(300 + i, 20) for i in range(6)]
+        for q, r in zip(prompts, await asyncio.gather(*map(engine.prefill, prompts)), strict=True):
+            check(r, q)
+    assert again.cached_tokens == 64
+    if "tp_size" in layout:  # one slot per replica; every rank holds its own copy
+        assert stats.bytes == stats.blocks * 16 * KV * 2 and stats.blocks == 4

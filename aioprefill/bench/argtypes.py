@@ -8,9 +8,19 @@ import math
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from aioprefill.bench.prefix import CacheBudget
 from aioprefill.bench.workload import LengthSpec, RateSpec, parse_rates
 
-__all__ = ["EP_POLICIES", "POLICIES", "Parser", "lengths", "number", "policies", "rates"]
+__all__ = [
+    "EP_POLICIES",
+    "POLICIES",
+    "Parser",
+    "cache_budgets",
+    "lengths",
+    "number",
+    "policies",
+    "rates",
+]
 
 POLICIES = ("forward", "eager", "timeout")  # the contract's policy names, in the default order
 EP_POLICIES = ("forward", "ep-timer")  # with --ep: on-demand lockstep vs the fixed-rate baseline
@@ -65,3 +75,13 @@ def policies(text: str) -> list[str]:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"a policy is listed twice in {text!r}")
     return names
+
+
+def cache_budgets(text: str) -> list[CacheBudget]:
+    try:
+        out = [CacheBudget.parse(item) for item in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if len({c.label for c in out}) != len(out):
+        raise argparse.ArgumentTypeError(f"a budget is listed twice in {text!r}")
+    return out

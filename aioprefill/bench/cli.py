@@ -13,8 +13,15 @@ from pathlib import Path
 from aioprefill.bench import argtypes
 from aioprefill.bench.argtypes import EP_POLICIES, POLICIES, Parser, number
 from aioprefill.bench.options import Options
-from aioprefill.bench.presets import DEFAULT_PRESET, SIM_PRESETS, build_model, model_label
-from aioprefill.bench.traces import TRACE_FORMATS, TraceError, read_trace
+from aioprefill.bench.prefix import distinct_blocks
+from aioprefill.bench.presets import (
+    DEFAULT_PRESET,
+    SIM_PRESETS,
+    build_model,
+    cache_block_bytes,
+    model_label,
+)
+from aioprefill.bench.traces import TRACE_FORMATS, TraceError, read_trace, shape_trace
 from aioprefill.errors import InvalidConfig
 
 __all__ = [
@@ -87,6 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="the workers form one expert-parallel group stepping in lockstep",
     )
     g.add_argument("--max-batch-tokens", type=pos_int, default=8192, help="(default: %(default)s)")
+    g.add_argument(
+        "--prefix-cache",
+        type=argtypes.cache_budgets,
+        default=None,
+        metavar="LIST",
+        help="prefix-cache budgets to compare, one engine each: default (the engine's), off, "
+        "a size per worker (256MiB), or a share of the trace's distinct blocks over all "
+        "workers (10%%, all) (default: default; with a trace of hash ids: default,off)",
+    )
+    g.add_argument(
+        "--prefix-block-tokens",
+        type=pos_int,
+        default=16,
+        help="tokens per cached block (default: %(default)s)",
+    )
     g.add_argument("--max-batch-size", type=pos_int, default=256, help="(default: %(default)s)")
     g.add_argument(
         "--batch-timeout-ms",
@@ -135,6 +157,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--trace-format", choices=TRACE_FORMATS, default="auto", help="(default: %(default)s)"
+    )
+    g.add_argument(
+        "--trace-requests", type=pos_int, metavar="N", help="replay only the trace's first N"
+    )
+    g.add_argument(
+        "--trace-speedup",
+        type=pos,
+        metavar="X",
+        help="replay the trace X times faster than recorded (default: 1; --rate overrides)",
+    )
+    g.add_argument(
+        "--trace-block-tokens",
+        type=pos_int,
+        metavar="N",
+        help="tokens per hash id of a Mooncake trace (default: the trace's 512); smaller "
+        "scales every prompt down for a small model, keeping what is shared",
     )
     g.add_argument(
         "--seed", type=number(0, allow_lo=True, kind=int), default=0, help="(default: %(default)s)"
@@ -204,6 +242,20 @@ def parse_options(argv: list[str] | None = None) -> Options:
             trace = read_trace(a.trace, a.trace_format)
         except (TraceError, OSError, UnicodeDecodeError) as exc:
             parser.error(f"argument --trace: {exc}")
+        if a.trace_speedup is not None and a.rate is not None:
+            parser.error("argument --trace-speedup: not with --rate (which sets the pace)")
+        try:
+            trace = shape_trace(trace, a.trace_requests, a.trace_block_tokens, a.trace_speedup)
+        except TraceError as exc:
+            parser.error(f"argument --trace-block-tokens: {exc}")
+    else:
+        for flag in ("trace_requests", "trace_speedup", "trace_block_tokens"):
+            if getattr(a, flag) is not None:
+                parser.error(f"argument --{flag.replace('_', '-')}: only with --trace")
+    shared = trace is not None and trace.hash_ids is not None
+    caches = a.prefix_cache or argtypes.cache_budgets("default,off" if shared else "default")
+    if not shared and any(c.kind == "share" for c in caches):
+        parser.error("argument --prefix-cache: shares like 10% need a trace with hash ids")
     policies = a.policy or argtypes.policies(",".join(EP_POLICIES if a.ep else POLICIES))
     if a.ep:
         if a.workers < 2 or a.tp > 1:
@@ -242,7 +294,16 @@ def parse_options(argv: list[str] | None = None) -> Options:
         )
     except InvalidConfig as exc:
         parser.error(f"argument --model: {exc}")
-    max_len = min(a.max_prompt_len or a.max_batch_tokens, model.max_prompt_tokens)
+    # a trace that shares prefixes keeps its prompts whole (chunked), so what is shared stays
+    max_len = min(
+        a.max_prompt_len or (model.max_prompt_tokens if shared else a.max_batch_tokens),
+        model.max_prompt_tokens,
+    )
+    if trace is not None:
+        trace = trace.clipped(max_len)
+    block_bytes = cache_block_bytes(model, a.prefix_block_tokens)
+    if block_bytes == 0 and any(c.kind == "share" for c in caches):
+        parser.error("argument --prefix-cache: this model's bytes per block are unknown")
     duration = a.duration if a.duration is not None or trace is not None else DEFAULT_DURATION_S
     return Options(
         model=model,
@@ -254,7 +315,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
         lengths=None
         if trace is not None
         else (a.prompt_len or argtypes.lengths(DEFAULT_PROMPT_LEN)),
-        trace=trace.clipped(max_len) if trace is not None else None,
+        trace=trace,
         trace_path=a.trace,
         trace_format=a.trace_format,
         max_prompt_len=max_len,
@@ -273,4 +334,10 @@ def parse_options(argv: list[str] | None = None) -> Options:
         progress=sys.stderr.isatty() if a.progress is None else a.progress,
         loop=a.loop,
         argv=argv,
+        prefix_cache=caches,
+        prefix_block_tokens=a.prefix_block_tokens,
+        block_bytes=block_bytes,
+        distinct_blocks=distinct_blocks(trace, a.prefix_block_tokens)
+        if shared and trace is not None
+        else None,
     )

@@ -11,6 +11,9 @@ Python, forwards exactly as long as the cost model says. Two ideal schedulers:
   good as a zero-overhead engine; lower: what overhead and scheduling cost).
 - one at a time (eager's rule without overhead): the same, one request per forward.
 
+With a prefix cache, each request's cached tokens (as the engine reported them) are free: a
+request costs its uncached tokens, in the budget and in the forward (`uncached_cost`).
+
 Their ratio is what batching can buy on this model and hardware, free of run-to-run noise:
 on a GPU-class cost (a large fixed cost per forward) it halves TTFT under load; on the tiny
 CPU model (a forward is mostly per-token work) it buys little, and a target set for the first
@@ -27,7 +30,14 @@ import numpy as np
 from aioprefill.bench.costmodel import CostModel
 from aioprefill.bench.metrics import Records
 
-__all__ = ["ideal_point", "replay"]
+__all__ = ["ideal_point", "replay", "uncached_cost"]
+
+
+def uncached_cost(length: int, cached: int) -> tuple[int, int]:
+    """(tokens, attention) a prompt of `length` tokens whose first `cached` are cached adds to
+    a forward: its uncached tokens, and `length^2 - cached^2` in place of `len^2` (its new
+    queries attend over every position before them)."""
+    return length - cached, length * length - cached * cached
 
 
 def replay(
@@ -38,15 +48,18 @@ def replay(
     num_workers: int,
     max_batch_tokens: int,
     max_batch_size: int,
+    cached: np.ndarray | None = None,
 ) -> np.ndarray:
     """TTFT in seconds of each request (arrival order) under the zero-overhead scheduler.
 
     `max_batch_size=1` gives the one-at-a-time ideal. A prompt over `max_batch_tokens` runs
-    alone, unchunked (chunking only adds forwards).
+    alone, unchunked (chunking only adds forwards). `cached`: tokens of each prompt that a
+    prefix cache holds (they cost nothing).
     """
     order = np.argsort(arrivals_s, kind="stable")
     arr = arrivals_s[order].astype(np.float64)
     lens = lengths[order].astype(np.int64)
+    hits = np.zeros_like(lens) if cached is None else cached[order].astype(np.int64)
     n = len(arr)
     ttft = np.empty(n, dtype=np.float64)
     free = [float(arr[0]) if n else 0.0] * num_workers  # when each worker is next free
@@ -62,11 +75,11 @@ def replay(
         batch: list[int] = []
         tokens = sq = 0
         while waiting and len(batch) < max_batch_size and arr[waiting[0]] <= t:
-            k = int(lens[waiting[0]])
+            k, k_sq = uncached_cost(int(lens[waiting[0]]), int(hits[waiting[0]]))
             if batch and tokens + k > max_batch_tokens:
                 break
             batch.append(waiting.popleft())
-            tokens, sq = tokens + k, sq + k * k
+            tokens, sq = tokens + k, sq + k_sq
         end = t + model.seconds(tokens, sq)
         free[w] = end
         for j in batch:
@@ -93,9 +106,19 @@ def ideal_point(
     if len(rec) == 0:
         return None
     arrivals = (rec.submitted_ns - rec.submitted_ns.min()) / 1e9
-    budgets = {"num_workers": num_workers, "max_batch_tokens": max_batch_tokens}
-    batched = replay(arrivals, rec.prompt_len, model, **budgets, max_batch_size=max_batch_size)
-    single = replay(arrivals, rec.prompt_len, model, **budgets, max_batch_size=1)
+
+    def run(size: int) -> np.ndarray:
+        return replay(
+            arrivals,
+            rec.prompt_len,
+            model,
+            num_workers=num_workers,
+            max_batch_tokens=max_batch_tokens,
+            max_batch_size=size,
+            cached=rec.cached_tokens,
+        )
+
+    batched, single = run(max_batch_size), run(1)
     ideal, measured = (
         _mean_p99_ms(batched),
         _mean_p99_ms((rec.finished_ns - rec.submitted_ns) / 1e9),

@@ -83,7 +83,7 @@ class LoadGen:
             self.progress.draw(finished, i)
         load.submitted = i
         span_s = float(arrivals_s[-1]) if n else 0.0
-        cancelled = await self._drain(tasks, lambda: (finished, i), max(60.0, 2 * span_s))
+        cancelled = await self._drain(tasks, lambda: (finished, i), max(120.0, 4 * span_s))
         load.partial = i < n or cancelled
         for k in range(i):
             r = slots[k]

@@ -49,6 +49,7 @@ class Records:
     batch_size: np.ndarray
     batch_tokens: np.ndarray
     prompt_len: np.ndarray
+    cached_tokens: np.ndarray  # int64: prompt tokens read from the prefix cache
     n_submitted: int = 0
     errors: Counter[str] = field(default_factory=Counter)
 
@@ -66,7 +67,7 @@ class Records:
 
         def col(name: str) -> np.ndarray:
             return np.fromiter(
-                (getattr(r, name) for r in results), dtype=np.int64, count=len(results)
+                (getattr(r, name, 0) for r in results), dtype=np.int64, count=len(results)
             )
 
         return cls(
@@ -80,6 +81,7 @@ class Records:
             batch_size=col("batch_size"),
             batch_tokens=col("batch_tokens"),
             prompt_len=np.asarray(prompt_len, dtype=np.int64),
+            cached_tokens=col("cached_tokens"),
             n_submitted=n_submitted,
             errors=errors if errors is not None else Counter(),
         )
@@ -98,8 +100,8 @@ class Batches:
     start_ns: np.ndarray
     end_ns: np.ndarray
     our_count: np.ndarray  # how many of this run's requests finished in it
-    our_tokens: np.ndarray  # sum of their prompt lengths
-    our_sq: np.ndarray  # sum of their squares (the attention term of the cost model)
+    our_tokens: np.ndarray  # sum of their prompt lengths, less their cached tokens
+    our_sq: np.ndarray  # sum of len^2 - cached^2 (the attention term of the cost model)
 
     @classmethod
     def from_records(cls, rec: Records) -> Batches:
@@ -108,7 +110,8 @@ class Batches:
             return cls(e, e, e, e, e, e, e, e.astype(np.float64))
         key = rec.worker * (1 << 40) + rec.batch_id
         uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
-        lens = rec.prompt_len.astype(np.float64)
+        full, hit = rec.prompt_len.astype(np.float64), rec.cached_tokens.astype(np.float64)
+        lens, sq = full - hit, full * full - hit * hit  # cached tokens are not computed
         return cls(
             worker=rec.worker[first],
             size=rec.batch_size[first],
@@ -117,7 +120,7 @@ class Batches:
             end_ns=rec.forward_end_ns[first],
             our_count=np.bincount(inv, minlength=len(uniq)).astype(np.int64),
             our_tokens=np.bincount(inv, weights=lens, minlength=len(uniq)).astype(np.int64),
-            our_sq=np.bincount(inv, weights=lens * lens, minlength=len(uniq)),
+            our_sq=np.bincount(inv, weights=sq, minlength=len(uniq)),
         )
 
     def __len__(self) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aioprefill import PaddleModel, SimModel
+from aioprefill.bench.prefix import CacheBudget
 from aioprefill.bench.workload import LengthSpec, RateSpec, Schedule
 
 __all__ = ["Options"]
@@ -39,6 +40,28 @@ class Options:
     progress: bool = False
     loop: str = "uvloop"
     argv: list[str] = field(default_factory=list)
+    # Prefix cache: one arm per budget; `share` budgets resolve against the trace's distinct
+    # blocks of `prefix_block_tokens` tokens and the worker's bytes per block.
+    prefix_cache: list[CacheBudget] = field(default_factory=lambda: [CacheBudget.parse("default")])
+    prefix_block_tokens: int = 16
+    block_bytes: int = 0  # one cached block on a worker (0: unknown)
+    distinct_blocks: int | None = None  # of the replayed trace (None: no hash ids)
+
+    @property
+    def fresh_engines(self) -> bool:
+        """A trace that shares prefixes: every point starts from an empty cache."""
+        return self.trace is not None and self.trace.hash_ids is not None
+
+    def cache_bytes(self, budget: CacheBudget) -> int | None:
+        """`prefix_cache_bytes` per worker for `budget` (None: leave the engine's default)."""
+        if budget.kind == "default":
+            return None
+        return budget.bytes_per_worker(
+            default=0,
+            block_bytes=self.block_bytes,
+            distinct=self.distinct_blocks,
+            workers=self.num_workers,
+        )
 
     @property
     def needs_capacity(self) -> bool:

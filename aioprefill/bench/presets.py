@@ -11,8 +11,10 @@ from typing import Final
 
 from aioprefill import InvalidConfig, PaddleModel, SimModel
 
-__all__ = ["DEFAULT_PRESET", "SIM_PRESETS", "build_model", "model_label"]
+__all__ = ["DEFAULT_PRESET", "SIM_PRESETS", "build_model", "cache_block_bytes", "model_label"]
 
+
+_TOKENS, _SPEEDUP = 16, 40  # gpu-trace: 512-token hash ids as 32 tokens, 40x the trace's pace
 
 SIM_PRESETS: Final[dict[str, SimModel]] = {
     # The tiny Paddle Llama (PaddleModel(seed=0): 4 layers, hidden 256, 19.6 M params) on one CPU
@@ -26,7 +28,19 @@ SIM_PRESETS: Final[dict[str, SimModel]] = {
     # benchmarks/fit_gpu_preset.py (raw figures: benchmarks/results/gpu_fit_h200.json; the fit
     # is within 35% everywhere, worst at tiny batches where kernel launches dominate).
     "gpu-class": SimModel(fixed_ms=10.9, per_token_us=25.7, attn_ns=0.69, vocab_size=32000),
+    # gpu-class replaying a Mooncake trace scaled down 16x in tokens (hash ids of 32 tokens,
+    # not 512) and sped up 40x in time: per-token costs x 16 / 40,
+    # attention x 16^2 / 40, fixed / 40, so the GPU is as loaded as at full size and full pace
+    # (the synthetic trace: 3,993 requests in 1,022 s become 25.6 s, about 2 minutes for cache
+    # on and off on one worker). Use with --trace-block-tokens 32 --trace-speedup 40.
+    "gpu-trace": SimModel(
+        fixed_ms=10.9 / _SPEEDUP,
+        per_token_us=25.7 * _TOKENS / _SPEEDUP,
+        attn_ns=0.69 * _TOKENS**2 / _SPEEDUP,
+        vocab_size=32000,
+    ),
 }
+
 
 DEFAULT_PRESET: Final = "cpu-tiny"
 
@@ -75,3 +89,11 @@ def model_label(model: SimModel | PaddleModel, preset: str | None = None) -> str
         f"{name} ({model.fixed_ms:g} ms + {model.per_token_us:g} us/tok + "
         f"{model.attn_ns:g} ns*len^2)"
     )
+
+
+def cache_block_bytes(model: SimModel | PaddleModel, block_tokens: int) -> int:
+    """Bytes one prefix-cache block of `block_tokens` tokens takes on a worker, as the worker
+    counts them (0: unknown before it starts, e.g. a Paddle model's)."""
+    if isinstance(model, SimModel):
+        return model.kv_bytes_per_token * block_tokens  # workers/sim.py: the nominal KV size
+    return 0

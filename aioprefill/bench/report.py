@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from aioprefill import PaddleModel, SimModel
+from aioprefill.bench.cachereport import prefix_point, prefix_targets
 from aioprefill.bench.costmodel import CostModel, best_throughput, fit_cost_model
 from aioprefill.bench.ideal import ideal_point
 from aioprefill.bench.metrics import Batches, summarize
@@ -73,6 +74,9 @@ def _point_doc(
         ),
         "ideal": ideal,
         "engine_stats": p.engine_stats,
+        "index": p.index,
+        "cache": p.cache,
+        "prefix": prefix_point(p, opts),
     }
 
 
@@ -164,9 +168,17 @@ def build_report(opts: Options, runner: Runner, *, run: dict[str, Any]) -> dict[
                 "requests": len(opts.trace),
                 "span_s": opts.trace.span_s,
                 "mean_rate": opts.trace.mean_rate,
+                "block_tokens": opts.trace.block_tokens or None,
+                "prompt_tokens": int(opts.trace.lengths.sum()),
             }
             if opts.trace
             else None,
+            "prefix_cache": {
+                "budgets": [c.label for c in opts.prefix_cache],
+                "block_tokens": opts.prefix_block_tokens,
+                "block_bytes": opts.block_bytes or None,
+                "distinct_blocks": opts.distinct_blocks,
+            },
             "saturation_s": opts.saturation_s,
             "warmup": opts.warmup,
             "slo_ttft_ms": slo,
@@ -192,12 +204,21 @@ def build_report(opts: Options, runner: Runner, *, run: dict[str, Any]) -> dict[
         },
         "points": points,
     }
-    doc["targets"] = evaluate_targets(doc)
+    doc["targets"] = evaluate_targets(doc) + prefix_targets(doc)
     return doc
 
 
 def _find(doc: dict[str, Any], policy: str, label: str) -> dict[str, Any] | None:
-    return next((p for p in doc["points"] if p["policy"] == policy and p["label"] == label), None)
+    """The point of `policy` at `label` with the first cache budget (the one compared)."""
+    first = (doc["config"].get("prefix_cache") or {}).get("budgets", [None])[0]
+    return next(
+        (
+            p
+            for p in doc["points"]
+            if p["policy"] == policy and p["label"] == label and p.get("cache") == first
+        ),
+        None,
+    )
 
 
 def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,10 +1,15 @@
-"""Drives one `Engine` per policy through a saturation run and the open-loop rate points.
+"""Drives one `Engine` per arm (a policy with a prefix-cache budget) through a saturation run
+and the open-loop rate points.
 
-Every policy gets its own engine, started and warmed up before measuring. (1) Each runs a
+Every arm gets its own engine, started and warmed up before measuring. (1) Each runs a
 closed-loop saturation run whose steady throughput is its capacity; eager's anchors rates like
-`0.8x`, so eager goes first. (2) Then, rate by rate, each policy runs the same open-loop
-schedule (same arrival times, same token ids, seeded per rate) back to back, so the policies
-compared at one rate ran close together in time, under similar background load.
+`0.8x`, so eager goes first. (2) Then, rate by rate, each arm runs the same open-loop schedule
+(same arrival times, same token ids, seeded per rate) back to back, so the arms compared at one
+rate ran close together in time, under similar background load. Cache budgets of one policy
+alternate their order from rate to rate (A B, then B A: a repeated rate is an ABBA pair), and
+with several budgets every arm saturates twice, A B then B A.
+A trace that shares prefixes (hash ids) is replayed on a fresh engine per point, so every
+replay starts from an empty cache.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -23,10 +28,23 @@ from aioprefill.bench.interrupt import Interrupt
 from aioprefill.bench.loadgen import LoadGen
 from aioprefill.bench.metrics import Batches, Records, steady_throughput
 from aioprefill.bench.options import Options
+from aioprefill.bench.prefix import CacheBudget, trace_prompts
 from aioprefill.bench.progress import Progress
 from aioprefill.bench.workload import RateSpec, Schedule, make_prompts, make_schedule
 
-__all__ = ["Point", "Runner"]
+__all__ = ["Arm", "Point", "Runner"]
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """What one engine runs: a batching policy with a prefix-cache budget."""
+
+    policy: str
+    cache: CacheBudget
+
+    def name(self, opts: Options) -> str:
+        return self.policy if len(opts.prefix_cache) < 2 else f"{self.policy}/{self.cache.label}"
+
 
 _POOL = 2048  # prompts cycled through by warm-up and saturation runs
 
@@ -46,6 +64,10 @@ class Point:
     steady_window_ns: tuple[int, int] | None = None
     engine_stats: Any = None
     host_load: float = field(default_factory=lambda: os.getloadavg()[0])  # when it ended
+    cache: str = "default"  # the prefix-cache budget's label
+    cache_bytes: int | None = None  # prefix_cache_bytes per worker (None: the engine default)
+    schedule: Schedule | None = None  # a rate point's arrivals (for the offline ceilings)
+    index: int | None = None  # a rate point's place in --rate (points of one index: one schedule)
 
 
 class Runner:
@@ -73,64 +95,82 @@ class Runner:
     def pool_lengths(self) -> np.ndarray:
         return np.array([len(p) for p in self._pool], dtype=np.int64)
 
-    def _config(self, policy: str) -> EngineConfig:
+    def _config(self, arm: Arm) -> EngineConfig:
         o = self.opts
-        return EngineConfig(
+        config = EngineConfig(
             model=o.model,
             num_workers=o.num_workers,
             tp_size=o.tp_size,
             expert_parallel=o.expert_parallel,
-            policy=policy,
+            policy=arm.policy,
             max_batch_tokens=o.max_batch_tokens,
             max_batch_size=o.max_batch_size,
             batch_timeout_ms=o.batch_timeout_ms,
             max_prompt_tokens=o.max_prompt_len,
+            prefix_block_tokens=o.prefix_block_tokens,
         )
+        budget = o.cache_bytes(arm.cache)  # None: the engine's default
+        return config if budget is None else replace(config, prefix_cache_bytes=budget)
 
-    async def _start(self, stack: AsyncExitStack, policy: str) -> Engine:
-        self.progress.note(f"{policy}: starting engine ({self.opts.num_workers} worker(s))")
-        engine = await stack.enter_async_context(Engine(self._config(policy)))
+    async def _start(self, stack: AsyncExitStack, arm: Arm) -> Engine:
+        name = arm.name(self.opts)
+        self.progress.note(f"{name}: starting engine ({self.opts.num_workers} worker(s))")
+        engine = await stack.enter_async_context(Engine(self._config(arm)))
         n = self.opts.warmup
         for i in range(n // 2):
             await engine.prefill(self._pool[i])
         await asyncio.gather(*(engine.prefill(p) for p in self._pool[n // 2 : n]))
         return engine
 
-    async def run(self) -> None:
-        """Start an engine per policy (eager first when rates are fractions of its capacity),
-        saturate each, then run every rate for every policy back to back, so the policies
-        compared at one rate ran close together in time (and under similar background load)."""
+    def _arms(self, index: int = 0) -> list[Arm]:
+        """Every arm, eager's first when rates are fractions of its capacity; a policy's cache
+        budgets in their given order at even rate indices, reversed at odd ones (ABBA)."""
         o = self.opts
-        stop = self.interrupt.stop
         order = list(o.policies)
         if o.needs_capacity and "eager" in order:
             order.remove("eager")
             order.insert(0, "eager")
+        caches = o.prefix_cache if index % 2 == 0 else o.prefix_cache[::-1]
+        return [Arm(policy, cache) for policy in order for cache in caches]
+
+    async def run(self) -> None:
+        """Start an engine per arm (eager first when rates are fractions of its capacity),
+        saturate each, then run every rate for every arm back to back, so the arms compared
+        at one rate ran close together in time (and under similar background load)."""
+        o = self.opts
+        stop = self.interrupt.stop
+        arms = self._arms()
         async with AsyncExitStack() as stack:
-            if o.needs_capacity and "eager" not in order:
+            if o.needs_capacity and not any(a.policy == "eager" for a in arms):
                 async with AsyncExitStack() as eager_stack:  # capacity only, then closed
-                    engine = await self._start(eager_stack, "eager")
-                    await self._saturation(engine, "eager")
-            engines: dict[str, Engine] = {}
-            for policy in order:
+                    engine = await self._start(eager_stack, Arm("eager", o.prefix_cache[0]))
+                    await self._saturation(engine, Arm("eager", o.prefix_cache[0]))
+            engines: dict[Arm, Engine] = {}
+            for arm in arms:
                 if stop.is_set():
                     return
-                engines[policy] = await self._start(stack, policy)
-            for policy in order:
+                if not o.fresh_engines:
+                    engines[arm] = await self._start(stack, arm)
+            # several budgets: saturate A B, then B A (an ABBA pair of saturation runs)
+            for arm in arms + (arms[::-1] if len(o.prefix_cache) > 1 else []):
                 if o.saturation_s > 0 and not stop.is_set():
-                    self.points.append(await self._saturation(engines[policy], policy))
+                    async with AsyncExitStack() as own:
+                        engine = engines.get(arm) or await self._start(own, arm)
+                        self.points.append(await self._saturation(engine, arm))
             for index, rate in enumerate(o.rates or [None]):
-                for policy in order:
+                for arm in self._arms(index):
                     if stop.is_set():
                         return
-                    self.points.append(await self._rate_point(engines[policy], policy, index, rate))
+                    async with AsyncExitStack() as own:
+                        engine = engines.get(arm) or await self._start(own, arm)
+                        self.points.append(await self._rate_point(engine, arm, index, rate))
 
-    async def _saturation(self, engine: Engine, policy: str) -> Point:
-        o = self.opts
+    async def _saturation(self, engine: Engine, arm: Arm) -> Point:
+        o, policy = self.opts, arm.policy
         full = o.max_batch_requests(float(self.pool_lengths.mean()))
         # eager only needs a queue at each worker; the others need two full batches waiting
         conc = 2 * o.num_workers + 2 if policy == "eager" else (2 * full + 1) * o.num_workers
-        self.progress.start(f"{policy} saturation (c={conc})", o.saturation_s)
+        self.progress.start(f"{arm.name(o)} saturation (c={conc})", o.saturation_s)
         load = await LoadGen(engine, self.interrupt, self.progress).closed_loop(
             self._pool, conc, min_s=o.saturation_s, min_forwards=3 * o.num_workers + 1
         )
@@ -145,8 +185,10 @@ class Runner:
             partial=load.partial,
             steady_window_ns=load.window_ns,
             engine_stats=_stats(engine),
+            cache=arm.cache.label,
+            cache_bytes=o.cache_bytes(arm.cache),
         )
-        if policy == "eager":
+        if policy == "eager" and self.capacity_rps is None:
             self.capacity_rps, self.capacity_point = _rps(point), point
         self.progress.done(_line(point))
         return point
@@ -177,25 +219,25 @@ class Runner:
                     burstiness=o.burstiness,
                     max_len=o.max_prompt_len,
                 )
-            self._schedules[index] = (
-                sched,
-                make_prompts(rng, sched.lengths, o.model.vocab_size),
-                offered,
-            )
+            if sched.hash_ids is not None:
+                prompts = trace_prompts(sched, o.model.vocab_size, o.seed)
+            else:
+                prompts = make_prompts(rng, sched.lengths, o.model.vocab_size)
+            self._schedules[index] = (sched, prompts, offered)
         return self._schedules[index]
 
     async def _rate_point(
-        self, engine: Engine, policy: str, index: int, rate: RateSpec | None
+        self, engine: Engine, arm: Arm, index: int, rate: RateSpec | None
     ) -> Point:
         o = self.opts
         sched, prompts, offered = self._schedule(index, rate)
         label = rate.label if rate else "trace"
         span = o.duration_s if o.trace is None and o.duration_s else sched.span_s
-        self.progress.start(f"{policy} {label} ({offered:.1f}/s)", span)
+        self.progress.start(f"{arm.name(o)} {label} ({offered:.1f}/s)", span)
         gen = LoadGen(engine, self.interrupt, self.progress)
         load = await gen.open_loop(sched.arrivals_s, prompts)
         point = Point(
-            policy,
+            arm.policy,
             "rate",
             label,
             load.records(),
@@ -203,6 +245,10 @@ class Runner:
             duration_s=span,
             partial=load.partial,
             engine_stats=_stats(engine),
+            cache=arm.cache.label,
+            cache_bytes=o.cache_bytes(arm.cache),
+            schedule=sched,
+            index=index,
         )
         self.progress.done(_line(point))
         return point

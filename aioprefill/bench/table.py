@@ -7,7 +7,15 @@ from typing import Any
 
 import numpy as np
 
+from aioprefill.bench.cachereport import format_prefix
+
 __all__ = ["format_report"]
+
+
+def _arm(p: dict[str, Any], doc: dict[str, Any]) -> str:
+    """The policy, with its cache budget when the run compares several."""
+    several = len((doc["config"].get("prefix_cache") or {}).get("budgets", ())) > 1
+    return f"{p['policy']}/{p['cache']}" if several else p["policy"]
 
 
 def _f(x: float | None, spec: str = ".1f") -> str:
@@ -41,7 +49,7 @@ def format_report(doc: dict[str, Any]) -> str:
         rows.append(
             (
                 point + ("*" if p["partial"] else ""),
-                p["policy"],
+                _arm(p, doc),
                 _f(p["offered_rps"]),
                 _f(p["throughput"]["requests_per_s"]),
                 _f(ttft["mean"], ".2f"),
@@ -101,7 +109,7 @@ def format_report(doc: dict[str, Any]) -> str:
     for t in doc["targets"]:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
         notes.append(f"target {verdict}: {t['name']}: {t['value']:.2f} ({t['detail']})")
-    return "\n".join([*lines, "", *_ideal_table(doc), *notes])
+    return "\n".join([*lines, "", *_ideal_table(doc), *format_prefix(doc), *notes])
 
 
 def _ideal_table(doc: dict[str, Any]) -> list[str]:
@@ -109,10 +117,11 @@ def _ideal_table(doc: dict[str, Any]) -> list[str]:
     rates: dict[str, dict[str, Any]] = {}
     for p in doc["points"]:
         if p.get("ideal"):
-            rates.setdefault(p["label"], {})[p["policy"]] = p
+            rates.setdefault(p["label"], {}).setdefault(_arm(p, doc), p)
     if not rates:
         return []
-    policies = [pol for pol in doc["config"]["policies"] if any(pol in r for r in rates.values())]
+    arms = [_arm(p, doc) for p in doc["points"] if p.get("ideal")]
+    policies = list(dict.fromkeys(arms))
     head = ["point", "ideal mean", "p99", "1-at-a-time mean", "p99", "batching buys"]
     head += [f"{pol} eff" for pol in policies]
     rows = []

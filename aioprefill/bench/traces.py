@@ -4,10 +4,12 @@
   `TIMESTAMP,ContextTokens,GeneratedTokens`; TIMESTAMP is a date-time such as
   `2023-11-16 18:15:46.6805900` (or plain seconds).
 - Mooncake trace (FAST'25): JSON lines `{"timestamp": ms, "input_length": n,
-  "output_length": m, "hash_ids": [...]}`; only `timestamp` and `input_length` are used.
+  "output_length": m, "hash_ids": [...]}`: `hash_ids` names the prompt's blocks of
+  `MOONCAKE_BLOCK_TOKENS` tokens (chained: equal ids mean an equal prefix).
 
-Both become a `Schedule` whose first arrival is at 0 s. Only prompt lengths are replayed: the
-token ids are drawn at random (prefill cost depends on the lengths, not the ids).
+Both become a `Schedule` whose first arrival is at 0 s. An Azure trace replays prompt lengths
+only (its token ids are drawn at random); a Mooncake trace also keeps its `hash_ids`, so its
+replay shares the prefixes that the trace shares (`prefix.py` gives each id its own tokens).
 """
 
 from __future__ import annotations
@@ -19,18 +21,22 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from aioprefill.bench.prefix import scale_blocks
 from aioprefill.bench.workload import Schedule
 
 __all__ = [
+    "MOONCAKE_BLOCK_TOKENS",
     "TRACE_FORMATS",
     "TraceError",
     "detect_format",
     "read_azure",
     "read_mooncake",
     "read_trace",
+    "shape_trace",
 ]
 
 TRACE_FORMATS = ("auto", "azure", "mooncake")
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's traces (FAST'25)
 
 
 class TraceError(ValueError):
@@ -40,6 +46,7 @@ class TraceError(ValueError):
 class _MooncakeRow(msgspec.Struct):
     timestamp: float
     input_length: int
+    hash_ids: list[int] = []
 
 
 _mooncake_decoder = msgspec.json.Decoder(_MooncakeRow)
@@ -103,6 +110,8 @@ def read_azure(path: Path) -> Schedule:
 def read_mooncake(path: Path) -> Schedule:
     times: list[float] = []
     lengths: list[int] = []
+    ids: list[np.ndarray] = []
+    block = MOONCAKE_BLOCK_TOKENS
     with path.open("rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -113,10 +122,27 @@ def read_mooncake(path: Path) -> Schedule:
                 raise TraceError(f"{path}:{line_no}: {exc}") from None
             times.append(row.timestamp / 1000.0)
             lengths.append(row.input_length)
-    return _schedule(path, times, lengths)
+            k = len(row.hash_ids)
+            if k and not (k - 1) * block < row.input_length <= k * block:
+                raise TraceError(
+                    f"{path}:{line_no}: {k} hash_ids of {block} tokens do not cover "
+                    f"input_length {row.input_length}"
+                )
+            if k and min(row.hash_ids) < 0:
+                raise TraceError(f"{path}:{line_no}: a hash id is negative")
+            ids.append(np.asarray(row.hash_ids, dtype=np.int64))
+    if ids and not all(len(h) for h in ids):  # lengths only, unless every request has its ids
+        ids = []
+    return _schedule(path, times, lengths, ids, block)
 
 
-def _schedule(path: Path, times: list[float], lengths: list[int]) -> Schedule:
+def _schedule(
+    path: Path,
+    times: list[float],
+    lengths: list[int],
+    hash_ids: list[np.ndarray] | None = None,
+    block_tokens: int = 0,
+) -> Schedule:
     if not times:
         raise TraceError(f"{path}: no requests in the trace")
     t = np.asarray(times, dtype=np.float64)
@@ -129,4 +155,20 @@ def _schedule(path: Path, times: list[float], lengths: list[int]) -> Schedule:
     order = np.argsort(t, kind="stable")  # traces are near-sorted; replay needs sorted
     t, n = t[order], n[order]
     t -= t[0]
-    return Schedule(t, n)
+    if not hash_ids:
+        return Schedule(t, n)
+    return Schedule(t, n, tuple(hash_ids[i] for i in order), block_tokens)
+
+
+def shape_trace(
+    t: Schedule, requests: int | None, block_tokens: int | None, speedup: float | None
+) -> Schedule:
+    """The first `requests`, each hash id as `block_tokens` tokens, `speedup` times faster
+    (each None: unchanged)."""
+    if requests is not None:
+        t = t.first(requests)
+    if block_tokens is not None:
+        if t.hash_ids is None:
+            raise TraceError("the trace has no hash_ids")
+        t = scale_blocks(t, block_tokens)
+    return t if speedup is None else t.sped_up(speedup)

@@ -118,14 +118,23 @@ def parse_rates(text: str) -> list[RateSpec]:
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """Requests of one run: arrival offsets (s, sorted, from 0) and prompt lengths."""
+    """Requests of one run: arrival offsets (s, sorted, from 0) and prompt lengths.
+
+    A trace with prefix reuse (Mooncake's `hash_ids`) also carries each request's block ids:
+    request i's prompt is blocks `hash_ids[i]` of `block_tokens` tokens each (the last one
+    partial), and two requests whose lists start alike share that prefix (`prefix.py`).
+    """
 
     arrivals_s: np.ndarray  # float64[n]
     lengths: np.ndarray  # int64[n]
+    hash_ids: tuple[np.ndarray, ...] | None = None  # int64[blocks] per request
+    block_tokens: int = 0  # tokens per hash id (0: no hash ids)
 
     def __post_init__(self) -> None:
         if len(self.arrivals_s) != len(self.lengths):
             raise ValueError("arrivals and lengths differ in length")
+        if self.hash_ids is not None and len(self.hash_ids) != len(self.lengths):
+            raise ValueError("hash_ids and lengths differ in length")
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -139,19 +148,37 @@ class Schedule:
         """Requests per second over the span (n-1 gaps), inf for a single instant."""
         return (len(self) - 1) / self.span_s if self.span_s > 0 else math.inf
 
+    def _with(self, arrivals_s: np.ndarray, keep: slice | np.ndarray | None = None) -> Schedule:
+        if keep is None:
+            return Schedule(arrivals_s, self.lengths, self.hash_ids, self.block_tokens)
+        ids = self.hash_ids
+        if ids is not None:
+            ids = tuple(ids[i] for i in np.arange(len(self))[keep])
+        return Schedule(arrivals_s[keep], self.lengths[keep], ids, self.block_tokens)
+
     def scaled_to_rate(self, rate: float) -> Schedule:
         """The same pattern sped up or slowed down so its mean rate is `rate`."""
         if len(self) < 2 or self.span_s <= 0:
             return self
-        return Schedule(self.arrivals_s * (self.mean_rate / rate), self.lengths)
+        return self._with(self.arrivals_s * (self.mean_rate / rate))
+
+    def sped_up(self, factor: float) -> Schedule:
+        """Arrivals `factor` times closer together (2: the trace replayed at twice its pace)."""
+        return self._with(self.arrivals_s / factor)
 
     def clipped(self, max_len: int) -> Schedule:
-        """Prompt lengths capped at `max_len` (arrivals unchanged)."""
-        return Schedule(self.arrivals_s, np.clip(self.lengths, 1, max_len))
+        """Prompt lengths capped at `max_len` (arrivals unchanged; a clipped prompt keeps its
+        prefix, so its shared blocks stay shared)."""
+        return Schedule(
+            self.arrivals_s, np.clip(self.lengths, 1, max_len), self.hash_ids, self.block_tokens
+        )
 
     def truncated(self, duration_s: float) -> Schedule:
-        keep = self.arrivals_s < duration_s
-        return Schedule(self.arrivals_s[keep], self.lengths[keep])
+        return self._with(self.arrivals_s, self.arrivals_s < duration_s)
+
+    def first(self, n: int) -> Schedule:
+        """The first `n` requests."""
+        return self._with(self.arrivals_s, slice(0, n))
 
 
 def make_schedule(

@@ -35,7 +35,7 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
     only grow, across worker deaths and restarts; `blocks` and `bytes` are what the workers
     hold now (every rank of a tensor-parallel group counted in `bytes`)."""
 
-    queried_tokens: int = 0  # prompt tokens of every first chunk planned against a cache
+    queried_tokens: int = 0  # prompt tokens of every prompt with a full block, at each lookup
     hit_tokens: int = 0  # of those, read from the cache (piggyback reads included)
     store_hit_tokens: int = 0  # not in hit_tokens: loaded from the KV store (kv_store) instead
     blocks: int = 0
@@ -49,18 +49,23 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PrefixCache:
+    """`slots`: the pool's worker groups, read only (`cache_blocks`, `block_bytes`,
+    `generation` from their ranks' `Ready`; `usable`, `in_flight` for routing)."""
+
     def __init__(
         self,
-        num_groups: int,
+        slots: Sequence[Any],
         block_tokens: int,
         *,
         max_read_blocks: int = 1 << 14,
         observer: CacheObserver | None = None,
     ) -> None:
+        self.slots = slots
         self.block_tokens = block_tokens
+        self.min_bytes = 4 * block_tokens  # a prompt shorter than this has no block to hash
         self.max_read_blocks = max_read_blocks  # per batch: its frame must fit the ring
-        self.indexes = [BlockIndex() for _ in range(num_groups)]
-        self._generation = [-1] * num_groups  # the start of each group its index describes
+        self.indexes = [BlockIndex() for _ in slots]
+        self._generation = [-1] * len(slots)  # the start of each group its index describes
         self.observer = observer
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -68,13 +73,16 @@ class PrefixCache:
         self.evictions = 0
 
     def hashes(self, tokens: bytes, salt: str | None) -> list[int] | None:
-        """The prompt's block hashes (None when it has no full block)."""
+        """The prompt's block hashes; None when it has no full block, or when no worker keeps
+        a cache (a runner without one: then nothing depends on the cache)."""
+        if not any(s.cache_blocks for s in self.slots):
+            return None
         return block_hashes(tokens, self.block_tokens, salt) or None
 
-    def plan(self, group: int, slots: Sequence[Any], *, route: bool = False) -> BatchPlan | None:
-        """A plan for the next batch of `group` (None when it keeps no cache). `slots`: the
-        pool's groups (`cache_blocks`, `block_bytes`, `generation`, `usable`, `in_flight`);
-        with `route` and several groups, the plan may leave requests to another group."""
+    def plan(self, group: int, *, route: bool = False) -> BatchPlan | None:
+        """A plan for the next batch of `group` (None when it keeps no cache); with `route`
+        and several groups, the plan may leave requests to another group."""
+        slots = self.slots
         slot = slots[group]
         index = self.indexes[group]
         if slot.generation != self._generation[group]:  # (re)started: adopt its slot count
@@ -88,14 +96,34 @@ class PrefixCache:
             waits = [sum(b.num_tokens for b in s.in_flight) if s.usable else None for s in slots]
         return BatchPlan(self, group, index, waits)
 
-    def release(self, pins: Pins) -> None:
-        """A batch's answer (or failure) came back: its slots may be evicted again, the
-        chain's last blocks first. Ignored if the group lost its index since."""
+    def release(self, pins: Pins, *, failed: bool = False) -> None:
+        """A batch's answer came back: its slots may be evicted again, the chain's last
+        blocks first. `failed` (the forward raised): the blocks it was to write are forgotten,
+        since the worker may not have written them. Ignored if the group lost its index."""
         index = self.indexes[pins.group]
-        if index.epoch == pins.epoch:
-            unpin = index.unpin
-            for slot in reversed(pins.slots):
-                unpin(slot)
+        if index.epoch != pins.epoch:
+            return
+        if failed and pins.written:  # (before the unpins: a pinned slot goes free after)
+            lost = [index.hash_of[s] for s in pins.written if index.discard(s)]
+            if lost and self.observer is not None:
+                self.observer.removed(pins.group, lost)
+        held, hash_of, lru, free, count = (
+            index.slot_of,
+            index.hash_of,
+            index.lru,
+            index.free,
+            index.pins,
+        )
+        for slot in reversed(pins.slots):  # `BlockIndex.unpin`, inlined: ~1 per block written
+            n = count[slot]
+            if n > 1:
+                count[slot] = n - 1
+                continue
+            del count[slot]
+            if held.get(hash_of[slot]) == slot:
+                lru[slot] = None
+            else:
+                free.append(slot)
 
     def drop(self, group: int) -> None:
         """The group died or restarts: forget everything it held (never read from it again)."""
@@ -113,7 +141,7 @@ class PrefixCache:
             blocks=sum(len(ix) for ix in self.indexes),
             bytes=sum(len(ix) * ix.block_bytes for ix in self.indexes),
             evictions=self.evictions,
-            capacity_blocks=sum(ix.num_blocks for ix in self.indexes),
+            capacity_blocks=sum(s.cache_blocks for s in self.slots),
         )
 
     def check(self, pins: Iterable[Pins | None]) -> None:
@@ -124,7 +152,7 @@ class PrefixCache:
                 expected[p.group].update(p.slots)
         for group, index in enumerate(self.indexes):
             index.check()
-            held = {s: n for s, n in enumerate(index.pins) if n}
+            held = dict(index.pins)
             if held != dict(expected[group]):
                 raise AssertionError(
                     f"prefix index of group {group}: pins {held} but batches in flight "
@@ -132,10 +160,10 @@ class PrefixCache:
                 )
 
 
-def prefix_cache_for(config: Any) -> PrefixCache | None:
-    """The engine's `PrefixCache` for an `EngineConfig` (None when `prefix_cache_bytes` is 0):
-    one index per worker group; a batch reads at most 1/16 of the ring in slot ids."""
+def prefix_cache_for(config: Any, slots: Sequence[Any]) -> PrefixCache | None:
+    """The engine's `PrefixCache` for an `EngineConfig` and the pool's `slots` (None when
+    `prefix_cache_bytes` is 0); a batch reads at most 1/16 of the ring in slot ids."""
     if not config.prefix_cache_bytes:
         return None
     max_reads = max(64, config.effective_ring_capacity() // 64)
-    return PrefixCache(config.num_workers, config.prefix_block_tokens, max_read_blocks=max_reads)
+    return PrefixCache(slots, config.prefix_block_tokens, max_read_blocks=max_reads)

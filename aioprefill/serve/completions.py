@@ -27,6 +27,7 @@ from aioprefill.serve.schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    PromptTokensDetails,
     Usage,
 )
 
@@ -83,6 +84,11 @@ def completion_body(
     ]
     prompt_tokens = sum(len(p.ids) for p in prompts)
     completion_tokens = generate * len(prompts)
+    # with a prefix cache: the prompt tokens it served
+    counts = [c for r in results if (c := getattr(r, "cached_tokens", None)) is not None]
+    details = (
+        PromptTokensDetails(cached_tokens=sum(counts)) if len(counts) == len(results) else None
+    )
     return Completion(
         id=f"cmpl-{request_id}",
         created=int(time.time()),
@@ -92,6 +98,7 @@ def completion_body(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=details,
         ),
         kv_transfer_params=msgspec.UNSET if kv_transfer_params is None else kv_transfer_params,
     )

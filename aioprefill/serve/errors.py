@@ -7,6 +7,7 @@ kept for a failure inside a forward or a worker that died.
 | error | status | why |
 | --- | --- | --- |
 | `InvalidRequest` (bad prompt, bad option) | 400 | the request is wrong; the message says how |
+| `HTTPError(401)` (no valid API key) | 401 | `serve/auth.py`; before the body is read |
 | `HTTPError(413)` (body or prompt list too large) | 413 | as TEI does for a batch too large |
 | `EngineOverloaded` (incl. `KVBudgetExceeded`) | 429 | retry later, like TEI's overloaded |
 | `EngineClosed`, `WorkerStartFailed` | 503 | this server cannot serve now: routers go elsewhere |
@@ -32,6 +33,7 @@ __all__ = ["HTTPError", "error_body", "error_status", "error_type"]
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

@@ -17,9 +17,11 @@ import aioprefill
 from aioprefill.errors import InvalidRequest
 from aioprefill.loop import Engine
 from aioprefill.result import PrefillResult
-from aioprefill.serve import completions
+from aioprefill.serve import chat, completions
+from aioprefill.serve.auth import cache_salt
 from aioprefill.serve.prompts import Prompt, TokenizerLike, parse_prompts
 from aioprefill.serve.schemas import (
+    ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -64,31 +66,36 @@ class Service:
         config = engine.config
         self.vocab_size = config.model.vocab_size
         self.max_model_len = config.max_prompt_tokens or 0
-        self._encode = msgspec.json.Encoder().encode
+        self.encode = self._encode = msgspec.json.Encoder().encode
         self._completion = _decoder(CompletionRequest)
+        self._chat = _decoder(ChatRequest)
         self._embedding = _decoder(EmbeddingRequest)
         self._tokenize = _decoder(TokenizeRequest)
         self._detokenize = _decoder(DetokenizeRequest)
         # KV transfer (vllm-router's PD mode) only where a transfer engine is configured.
         self.kv_transfer = config.kv_transfer is not None
 
+    def salt_option(self, tenant: str | None, body_salt: str | None) -> dict[str, Any]:
+        """engine.prefill()'s `cache_salt` for a request: the tenant's and the body's."""
+        salt = cache_salt(tenant, body_salt)
+        return {"cache_salt": salt} if salt is not None else {}
+
     # ---- scoring and embeddings -------------------------------------------------------
 
-    async def completions(self, body: bytes, request_id: str) -> bytes:
-        req = _decode(self._completion, body)
+    async def completions(self, body: bytes, request_id: str, tenant: str | None = None) -> bytes:
+        req = decode_body(self._completion, body)
         generate = completions.check_completion(req)
         want_kv = req.kv_transfer_params is not None and self.kv_transfer
         options = completions.prefill_options(req, generate)
+        options |= self.salt_option(tenant, req.cache_salt)
         if want_kv:
             options["return_kv"] = True
         echo_offsets = req.echo and req.logprobs is not None
-        prompts = await self._prompts(req.prompt, "prompt", offsets=echo_offsets)
+        prompts = await self.prompts(req.prompt, "prompt", offsets=echo_offsets)
         if want_kv and len(prompts) != 1:
             raise InvalidRequest("kv_transfer_params needs exactly one prompt")
         results = await self._run(prompts, options, request_id)
-        params = None
-        if want_kv and results[0].kv is not None:  # the transfer engine keeps the export
-            params = results[0].kv.transfer_params()  # type: ignore[attr-defined,unused-ignore]
+        params = _kv_params(results[0]) if want_kv else None
         out = completions.completion_body(
             req,
             generate,
@@ -101,16 +108,60 @@ class Service:
         )
         return self._encode(out)
 
-    async def embeddings(self, body: bytes, request_id: str) -> bytes:
-        req = _decode(self._embedding, body)
+    async def chat_completions(
+        self, body: bytes, request_id: str, tenant: str | None = None
+    ) -> bytes:
+        req = decode_body(self._chat, body)
+        generate = chat.check_chat(req)
+        ids = await self.chat_ids(req)
+        options = chat.prefill_options(req, generate) | self.salt_option(tenant, req.cache_salt)
+        want_kv = req.kv_transfer_params is not None and self.kv_transfer
+        if want_kv:
+            options["return_kv"] = True
+        r = (await self._run([Prompt(ids)], options, request_id))[0]
+        tokenizer = self.need_tokenizer()
+        out = chat.chat_body(
+            req,
+            generate,
+            ids,
+            r,
+            tokenizer,
+            request_id=request_id,
+            model=self.settings.served_model_name,
+            kv_transfer_params=_kv_params(r) if want_kv else None,
+        )
+        return self._encode(out)
+
+    async def chat_ids(self, req: Any) -> list[int]:
+        """The token ids of a chat request's conversation (`ChatRequest`, or /tokenize's chat
+        form), the template's text tokenized without special tokens unless asked."""
+        text = self.chat_text(req)
+        special = bool(req.add_special_tokens)
+        return await self.need_tokenizer().encode_async(text, add_special_tokens=special)
+
+    def chat_text(self, req: Any) -> str:
+        """The prompt text of a chat request's conversation."""
+        return chat.chat_prompt(
+            self.tokenizer,
+            req.messages,
+            chat_template=req.chat_template,
+            template_kwargs=req.chat_template_kwargs,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            documents=getattr(req, "documents", None),
+        )
+
+    async def embeddings(self, body: bytes, request_id: str, tenant: str | None = None) -> bytes:
+        req = decode_body(self._embedding, body)
         hidden = getattr(self.engine.config.model, "hidden_size", None)
         if req.dimensions is not None and req.dimensions != hidden:
             raise InvalidRequest(
                 f"dimensions must be the model's hidden size ({hidden}) or absent, "
                 f"got {req.dimensions}"
             )
-        prompts = await self._prompts(req.input, "input")
+        prompts = await self.prompts(req.input, "input")
         options = {"embed": self.settings.pooling, "normalize": self.settings.normalize}
+        options |= self.salt_option(tenant, None)
         results = await self._run(prompts, options, request_id)
         data = []
         for i, r in enumerate(results):
@@ -132,7 +183,7 @@ class Service:
             )
         )
 
-    async def _prompts(self, value: Any, field: str, *, offsets: bool = False) -> list[Prompt]:
+    async def prompts(self, value: Any, field: str, *, offsets: bool = False) -> list[Prompt]:
         return await parse_prompts(
             value,
             self.tokenizer,
@@ -166,13 +217,15 @@ class Service:
     # ---- tokenizer --------------------------------------------------------------------
 
     async def tokenize(self, body: bytes) -> bytes:
-        req = _decode(self._tokenize, body)
+        req = decode_body(self._tokenize, body)
+        tok = self.need_tokenizer()
         if req.messages is not None:
-            raise InvalidRequest("the chat form of /tokenize (messages) is not supported")
-        if req.prompt is None:
-            raise InvalidRequest("prompt is required")
-        tok = self._need_tokenizer()
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await self.chat_ids(req)
+        elif req.prompt is None:
+            raise InvalidRequest("prompt or messages is required")
+        else:
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = tok.encode(req.prompt, add_special_tokens=special)
         strs = tok.token_strings(ids) if req.return_token_strs else msgspec.UNSET
         return self._encode(
             TokenizeResponse(
@@ -181,14 +234,14 @@ class Service:
         )
 
     async def detokenize(self, body: bytes) -> bytes:
-        req = _decode(self._detokenize, body)
+        req = decode_body(self._detokenize, body)
         bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary ({self.vocab_size})")
-        text = self._need_tokenizer().decode(req.tokens) if req.tokens else ""
+        text = self.need_tokenizer().decode(req.tokens) if req.tokens else ""
         return self._encode(DetokenizeResponse(prompt=text))
 
-    def _need_tokenizer(self) -> TokenizerLike:
+    def need_tokenizer(self) -> TokenizerLike:
         if self.tokenizer is None:
             raise InvalidRequest("this server has no tokenizer")
         return self.tokenizer
@@ -232,7 +285,15 @@ class Service:
         )
 
 
-def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+def _kv_params(r: PrefillResult) -> dict[str, Any] | None:
+    """The transfer params of a result's KV export (the transfer engine keeps the export)."""
+    if r.kv is None:
+        return None
+    params: dict[str, Any] = r.kv.transfer_params()  # type: ignore[attr-defined,unused-ignore]
+    return params
+
+
+def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:

@@ -36,7 +36,12 @@ class RSGIApp:
             return b"".join(chunks)
 
         status, out, content_type = await self.app.answer(
-            scope.path, scope.method, request_id, read, protocol.client_disconnect
+            scope.path,
+            scope.method,
+            request_id,
+            read,
+            protocol.client_disconnect,
+            headers.get("authorization"),
         )
         if status == _GONE:
             return

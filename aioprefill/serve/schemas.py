@@ -1,6 +1,6 @@
 """The request and response bodies of `aioprefill.serve`, as msgspec Structs, with the field
-names their owners use: OpenAI's legacy completions and embeddings, vLLM's /tokenize and
-/detokenize.
+names their owners use: OpenAI's chat and legacy completions and embeddings, vLLM's /tokenize,
+/detokenize and render endpoints.
 
 Requests tolerate unknown fields (msgspec ignores them): routers and clients add their own
 (vllm-router injects `no_stop_trim`, `ignore_eos`, `skip_special_tokens`,
@@ -17,6 +17,13 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
+    "ChatChoice",
+    "ChatCompletion",
+    "ChatLogprob",
+    "ChatLogprobs",
+    "ChatMessage",
+    "ChatRequest",
+    "ChatTopLogprob",
     "Completion",
     "CompletionChoice",
     "CompletionLogprobs",
@@ -31,6 +38,8 @@ __all__ = [
     "ErrorInfo",
     "ModelCard",
     "ModelList",
+    "PromptTokensDetails",
+    "RenderedPrompt",
     "TokenizeRequest",
     "TokenizeResponse",
     "Usage",
@@ -53,6 +62,37 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     suffix: str | None = None
     # vllm-router's PD mode: present -> the answer carries the KV export's transfer params.
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM's: requests with different salts share no cached block
+    return_token_offsets: bool = False  # /v1/completions/render only
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/chat/completions (and /v1/chat/completions/render), with vLLM's extra fields
+    (`chat_template`, `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`,
+    `add_special_tokens`, `cache_salt`, `kv_transfer_params`). `max_tokens` /
+    `max_completion_tokens` None count as 1, as for completions."""
+
+    messages: list[dict[str, Any]]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    n: int = 1
+    stream: bool | None = False
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids
+    return_token_offsets: bool = False  # /v1/chat/completions/render only
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -65,13 +105,18 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """POST /tokenize (vLLM's completion form; the chat form, `messages`, is refused)."""
+    """POST /tokenize: vLLM's completion form (`prompt`) or chat form (`messages`, rendered with
+    the chat template; there `add_special_tokens` defaults to False, as in vLLM)."""
 
     prompt: str | None = None
     model: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     return_token_strs: bool = False
-    messages: list[Any] | None = None
+    messages: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -84,10 +129,15 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 # ---- responses ---------------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int  # prompt tokens read from the prefix cache, not computed
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # completions and chat
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
@@ -118,6 +168,71 @@ class Completion(msgspec.Struct, kw_only=True):
     object: str = "text_completion"
     # Only with `kv_transfer_params` in the request and a transfer engine configured.
     kv_transfer_params: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatTopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprob(msgspec.Struct, kw_only=True):
+    """One generated token in OpenAI's chat shape: its text, logprob, UTF-8 bytes and the best
+    alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatLogprob] | None
+    refusal: None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | None
+    refusal: None = None
+    tool_calls: list[Any] = msgspec.field(default_factory=list)
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str = "length"
+    stop_reason: None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # with return_token_ids
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    kv_transfer_params: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+
+
+class RenderedPrompt(msgspec.Struct, kw_only=True):
+    """What vLLM's render endpoints answer for one prompt (their `GenerateRequest`: the token
+    ids a token-in server takes, with the request's settings carried along)."""
+
+    request_id: str
+    token_ids: list[int]
+    model: str
+    sampling_params: dict[str, Any]
+    stream: bool = False
+    stream_options: Any = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    token_offsets: list[tuple[int, int]] | None = None
+    features: None = None
 
 
 class Embedding(msgspec.Struct, kw_only=True):

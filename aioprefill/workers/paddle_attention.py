@@ -4,7 +4,7 @@ copy of that state into a KV export segment.
 Each sequence attends on its own: one score matrix per sequence costs sum(len^2), where one
 block-diagonal mask over the batch would cost tokens^2. The shapes of a sequence's products
 depend only on that sequence (its length and cached prefix), so batch-mates cannot change its
-result.
+result; in deterministic mode (`tile`) they depend only on each row's absolute position.
 """
 
 from __future__ import annotations

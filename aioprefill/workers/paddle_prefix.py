@@ -3,7 +3,8 @@
 The engine's plan for a chunk rides on the batch (`BatchPlan`). Inside the forward:
 
 - at every layer, before request `i` attends (`PrefixForward.at_layer`), its read slots seed its
-  `KVCache` with that layer's keys and values (as if earlier chunks had run), and the blocks it
+  `KVCache` with that layer's keys and values (as if earlier chunks had run; requests reading
+  the same slots share one copy), and the blocks it
   completes are copied into its write slots: the part of a block that an earlier chunk computed
   comes from the request's `KVCache`, the rest from this chunk's rows. Requests go in batch
   order, so a request that reads a slot an earlier one writes in the same forward ("piggyback")
@@ -12,7 +13,7 @@ The engine's plan for a chunk rides on the batch (`BatchPlan`). Inside the forwa
   stored, then each reading request gets its cached positions' hidden rows and tokens for the
   head (prompt log-probabilities, prompt top-k and mean pooling over them), and the prompt
   outputs the slots kept when every slot kept them;
-- after the head (`keep_scores`), the prompt outputs of every written block that the chunk
+- after the head (`finish`), the prompt outputs of every written block that the chunk
   computed whole are kept in its slot;
 - a chunk that does not end its prompt keeps, in its `KVCache`, the hidden rows and tokens of
   the block it leaves unfinished (`keep_tail`), for the next chunk's write.
@@ -48,6 +49,12 @@ class PrefixForward:
         self.store, self.plan = store, plan
         self._start = batch.start_pos.astype(np.int64).tolist()
         self._a = batch.offsets.astype(np.int64).tolist()
+        self._writes = np.concatenate(plan.writes) if plan.writes else np.empty(0, np.int64)
+        store.ready[self._writes] = False  # until the forward succeeds (`finish`)
+        # Requests reading the same slots (a burst sharing a prefix) share one copy per layer:
+        # the engine never writes a slot that the same batch reads for its old content.
+        self._shared: dict[bytes, tuple[paddle.Tensor, paddle.Tensor]] = {}
+        self._layer = -1
 
     def at_layer(
         self, layer: int, i: int, cache: KVCache, k: paddle.Tensor, v: paddle.Tensor
@@ -57,9 +64,13 @@ class PrefixForward:
         store = self.store
         reads, writes = self.plan.reads[i], self.plan.writes[i]
         if len(reads):
-            keys, values = store.read_kv(layer, reads)
-            cache.keys[layer] = _to_device(keys, k.dtype)
-            cache.values[layer] = _to_device(values, v.dtype)
+            if layer != self._layer:
+                self._shared, self._layer = {}, layer
+            key = reads.tobytes()
+            if key not in self._shared:
+                keys, values = store.read_kv(layer, reads)
+                self._shared[key] = (_to_device(keys, k.dtype), _to_device(values, v.dtype))
+            cache.keys[layer], cache.values[layer] = self._shared[key]
         if not len(writes):
             return
         start, a, b = self._start[i], self._a[i], store.block_tokens
@@ -105,17 +116,23 @@ class PrefixForward:
         prefixes = {}
         asked, top = batch.has(protocol.OPT_PROMPT_LOGPROBS), batch.has(protocol.OPT_PROMPT_TOP_K)
         top_k = batch.top_k_of()
+        rows_of: dict[bytes, tuple[paddle.Tensor, np.ndarray]] = {}  # shared, as at_layer's
         for i, reads in enumerate(plan.reads):
             if len(reads):
-                hidden, ids = store.read_rows(reads)
+                key = reads.tobytes()
+                if key not in rows_of:
+                    hidden, ids = store.read_rows(reads)
+                    rows_of[key] = (_to_device(hidden, x.dtype), ids)
                 k = int(top_k[i]) if top[i] else 0
                 scores = store.read_scores(reads, k) if asked[i] else None
-                prefixes[i] = Cached(_to_device(hidden, x.dtype), ids, scores)
+                prefixes[i] = Cached(*rows_of[key], scores)
         return prefixes
 
-    def keep_scores(self, batch: ForwardBatch, out: ForwardOutput) -> None:
-        """Keep in each written slot the prompt outputs its request computed for every token
-        of the block in this chunk (`out`'s columns, as the head answered them)."""
+    def finish(self, batch: ForwardBatch, out: ForwardOutput) -> None:
+        """The forward succeeded: its write slots hold their blocks, and each keeps the prompt
+        outputs its request computed for every token of the block in this chunk (`out`'s
+        columns, as the head answered them)."""
+        self.store.ready[self._writes] = True
         asked, top = batch.has(protocol.OPT_PROMPT_LOGPROBS), batch.has(protocol.OPT_PROMPT_TOP_K)
         top_k, ends = batch.top_k_of(), batch.start_pos + batch.seq_lens()
         b, at, at_top = self.store.block_tokens, 0, 0

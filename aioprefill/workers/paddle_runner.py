@@ -4,7 +4,8 @@ Requests sit back to back in one `[tokens, hidden]` matrix, with no padding betw
 linear layers, norms and MLP run over every token of the batch at once, and only attention runs
 per sequence (a block-diagonal mask over the whole batch costs O(tokens^2) on CPU). A chunk with
 `start_pos > 0` continues a prompt whose earlier chunks this runner saw: their keys and values
-(after RoPE) wait in `self._cache` until the chunk with `is_last` (or `free()`). The weights
+(after RoPE) wait in `self._cache` until the chunk with `is_last` (or `free()`). With a prefix
+cache, a batch's plan reads and writes block slots (`paddle_prefix`, `prefix_blocks`). The weights
 come from `paddle_weights`, laid out for this forward (q/k/v heads-major in one tensor, queries
 pre-scaled, a sign-folded RoPE sin): that module's docstring is the contract.
 
@@ -16,7 +17,9 @@ sits in a trailing partial block, or (for some row counts) by its position. By d
 allowed: a request's log-probability moves by ~1e-7 between batch compositions (the tests hold
 it to 1e-5). `deterministic=True` makes results bitwise identical by never letting a shape
 depend on the batch: the linear layers multiply fixed tiles of `_TILE_ROWS` rows and the LM head
-runs on fixed tiles of `_HEAD_TILE_ROWS` rows, zero-padded. Tile sizes matter: MKL treated every
+runs on fixed tiles of `_HEAD_TILE_ROWS` rows, zero-padded, and attention on query tiles of
+`_ATTN_TILE` absolute positions, so a chunk's start (a chunked prompt, a cached prefix) changes no
+bit either. Tile sizes matter: MKL treated every
 row position of a 64- or 16-row product alike, but not of a 32-row one; the tests check the
 result bitwise over random batch compositions. It costs ~1.1x on full batches and up to 2.3x on
 a lone short request (benchmarks/bench_paddle_model.py).
@@ -214,7 +217,7 @@ class PaddleRunner:
         if plan is not None:
             if self._store is None:
                 raise ValueError("a batch reads or writes prefix-cache slots, but none are kept")
-            plan.check(batch, self._store.num_blocks, self._store.block_tokens)
+            plan.check(batch, self._store)
         for i, (rid, start) in enumerate(
             zip(batch.request_ids.tolist(), batch.start_pos.tolist(), strict=True)
         ):
@@ -333,6 +336,6 @@ class PaddleRunner:
             self._cache[rid] = cache
         out = self._outputs(x, batch, prefixes)
         if prefix is not None:
-            prefix.keep_scores(batch, out)
+            prefix.finish(batch, out)
         exports.close()
         return out

@@ -64,6 +64,9 @@ class BlockStore:
         self.values = np.empty(shape, dtype=np.float32)
         self.hidden = np.empty((num_blocks, block_tokens, hidden_size), dtype=np.float32)
         self.tokens = np.empty((num_blocks, block_tokens), dtype=np.int32)
+        # Per slot: a forward wrote it whole (a failed forward's write slots are not: reading
+        # one is refused rather than answered from half-written or stale memory).
+        self.ready = np.zeros(num_blocks, dtype=bool)
         # Per slot: -1 no prompt logprobs kept; else they are, with this many top-k of each.
         self.scored = np.empty(num_blocks, dtype=np.int16)
         self.logprobs = np.empty((num_blocks, block_tokens), dtype=np.float32)
@@ -88,6 +91,10 @@ class BlockStore:
             *(self.logprobs[slot], self.top_ids[slot], self.top_logprobs[slot]),
             self.scored[slot : slot + 1],
         ]
+
+    def loaded(self, slot: int) -> None:
+        """`slot_arrays(slot)` were filled from the KV store (checked): it holds its block."""
+        self.ready[slot] = True
 
     def layout(self) -> str:
         """Names the slot's byte layout (store keys: blocks of other layouts never mix)."""
@@ -173,9 +180,14 @@ class BatchPlan:
         writes = [ws[wo[i] : wo[i + 1]].astype(np.int64) for i in range(n)]
         return cls(reads, writes, [int(f) for f in wf.tolist()])
 
-    def check(self, batch: ForwardBatch, num_blocks: int, block_tokens: int) -> None:
-        """ValueError for instructions this worker cannot follow, before anything runs."""
+    def check(self, batch: ForwardBatch, store: BlockStore) -> None:
+        """ValueError for instructions this worker cannot follow, before anything runs: a slot
+        past the store, reads that do not match the chunk's start or a slot no forward wrote
+        (unless an earlier request of the batch writes it), writes past the chunk or before
+        the positions it holds."""
+        num_blocks, block_tokens = store.num_blocks, store.block_tokens
         ends = (batch.start_pos.astype(np.int64) + batch.seq_lens()).tolist()
+        written: set[int] = set()
         for i, (rid, start, end) in enumerate(
             zip(batch.request_ids.tolist(), batch.start_pos.tolist(), ends, strict=True)
         ):
@@ -187,6 +199,10 @@ class BatchPlan:
                 raise ValueError(
                     f"request {rid}: {len(reads)} blocks read, but its chunk starts at {start}"
                 )
+            for slot in reads[~store.ready[reads]].tolist():
+                if slot not in written:
+                    raise ValueError(f"request {rid} reads slot {slot}, which holds no block")
+            written.update(writes.tolist())
             if len(writes):
                 lo = self.first_write[i] * block_tokens
                 if lo + len(writes) * block_tokens > end:

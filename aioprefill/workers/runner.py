@@ -14,10 +14,10 @@ Output options ride along per request (`options`: `OPT_*` bits from `aioprefill.
   (ids and log-probabilities, `top_k` values per prompt logprob, best first);
 - top-k, embeddings and the KV export: once, with the chunk that ends the prompt.
 
-A chunk that reads cached blocks (`read_slots`, starting at `len(reads) * block_tokens`)
-answers as if it had computed them: its prompt log-probabilities (and prompt top-k) cover every
-position from 1 (`end - 1` values, cached positions included), its mean embedding and KV export
-the whole prompt.
+A chunk that reads prefix cache slots (`read_*`, starting at `len(reads) * block_tokens`) is
+its prompt's first chunk computed and answers as one: its prompt log-probabilities (and prompt
+top-k) cover every position from 1 (`end - 1` values, cached positions included), and its
+embeddings and KV export cover the cached positions too, as for the whole prompt.
 """
 
 from __future__ import annotations

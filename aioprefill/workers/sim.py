@@ -173,14 +173,20 @@ class SimRunner:
         self.block_tokens = block_tokens
         self.block_bytes = block_tokens * spec.kv_bytes_per_token
         self.cache_blocks = cache_bytes // self.block_bytes
-        self._blocks = SimBlocks(self.cache_blocks, block_tokens, self.block_bytes)
-        self.cache_slots = self._blocks if self.cache_blocks else None  # (workers.store_hook)
+        self._blocks = self.cache_slots = SimBlocks(self.cache_blocks, block_tokens)
         # A tensor-parallel rank > 0 leaves KV exports to rank 0: the values are the same, and
         # two ranks creating one segment race (one may map it before the other has sized it).
         self.writes_kv = writes_kv
         self._partial: dict[int, _State] = {}  # request id -> state after its chunks so far
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        try:
+            return self._forward(batch)
+        except BaseException:
+            self._blocks.invalidate(batch.write_slots)  # it may have written none of them
+            raise
+
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         seq_lens = batch.seq_lens()
         self._inject_faults(batch.tokens)
         cached = None

@@ -1,5 +1,9 @@
 """The prefix cache slots of a `SimRunner` (see `aioprefill.workers.sim`): per slot, its
-block's token ids and the CRC32 of the prompt up to the block's end, in place of KV."""
+block's token ids and the CRC32 of the prompt up to the block's end, in place of KV.
+
+A slot is valid once written; the slots a failed forward was to write are invalidated (it may
+have written none of them), and reading an invalid slot raises, so the batch fails rather than
+answer from a block that was never stored."""
 
 from __future__ import annotations
 
@@ -12,28 +16,38 @@ class SimBlocks:
     """The prefix cache slots of a `SimRunner`: each block's token ids and the prompt's CRC32
     at its end (allocated once, touched as written)."""
 
-    def __init__(self, num_blocks: int, block_tokens: int, block_bytes: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_tokens: int) -> None:
         self.tokens = np.empty((num_blocks, block_tokens), dtype=np.int32)
         self.crc = np.empty(num_blocks, dtype=np.uint32)
-        # In the KV store a slot takes its nominal bytes (a real model's KV for the block):
-        # its tokens and CRC, then zeros.
-        self._pad = np.zeros(max(0, block_bytes - 4 * block_tokens - 4), dtype=np.uint8)
-        self._pad.flags.writeable = False
+        self.valid = np.zeros(num_blocks, dtype=bool)
 
     def slot_arrays(self, slot: int) -> list[np.ndarray]:
-        """One slot's arrays as the KV store keeps them (`aioprefill.kvstore`)."""
-        return [self.tokens[slot], self.crc[slot : slot + 1], self._pad]
+        """One slot's arrays as the KV store keeps them (`aioprefill.kvstore`; the store pads
+        them to the slot's nominal bytes, a real model's KV for the block)."""
+        return [self.tokens[slot], self.crc[slot : slot + 1]]
 
     def layout(self) -> str:
-        return f"sim-slot-v1 B{self.tokens.shape[1]} pad{len(self._pad)}"
+        return f"sim-slot-v1 B{self.tokens.shape[1]}"
+
+    def loaded(self, slot: int) -> None:
+        """`slot_arrays(slot)` were filled from the KV store: the slot holds its block."""
+        self.valid[slot] = True
 
     def read(self, slots: np.ndarray) -> tuple[np.ndarray, int]:
         """(the blocks' tokens back to back, the CRC32 after the last)."""
+        if not self.valid[slots].all():
+            raise RuntimeError(f"prefix cache slots {slots.tolist()} read but never stored")
         return self.tokens[slots].reshape(-1), int(self.crc[slots[-1]])
 
     def write(self, slot: int, tokens: np.ndarray, crc: int) -> None:
         self.tokens[slot] = tokens
         self.crc[slot] = crc
+        self.valid[slot] = True
+
+    def invalidate(self, slots: np.ndarray | None) -> None:
+        """A forward that was to write these slots failed."""
+        if slots is not None and len(slots):
+            self.valid[slots] = False
 
 
 _NO_SLOTS = np.empty(0, dtype=np.int32)

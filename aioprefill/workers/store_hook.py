@@ -48,16 +48,20 @@ class Slots(Protocol):
 
     def slot_arrays(self, slot: int) -> list[np.ndarray]: ...
     def layout(self) -> str: ...
+    def loaded(self, slot: int) -> None: ...
 
 
 def make_hook(spec: protocol.WorkerSpec, runner: Any) -> StoreHook | None:
     """The worker's store tier, started (it connects in the background), or None when the
     engine has no store or the runner keeps no cache slots."""
     slots: Slots | None = getattr(runner, "cache_slots", None)
-    if spec.kv_store is None or slots is None:
+    if spec.kv_store is None or slots is None or not getattr(runner, "cache_blocks", 0):
         return None
-    identity = identity_for(spec.model, spec.kv_store, spec.block_tokens, slots.layout())
-    payload = sum(a.nbytes for a in slots.slot_arrays(0))
+    # A value holds the slot's arrays, padded to the runner's bytes per block (SimRunner's
+    # slots hold ids and a CRC, but a block weighs what a real model's KV would).
+    payload = max(sum(a.nbytes for a in slots.slot_arrays(0)), runner.block_bytes)
+    layout = f"{slots.layout()} P{payload}"
+    identity = identity_for(spec.model, spec.kv_store, spec.block_tokens, layout)
     first_guess = getattr(spec.model, "per_token_us", 1000.0) * 1e-6
     tier = StoreTier(spec.kv_store, identity, payload, seconds_per_token=first_guess)
     tier.start()
@@ -65,7 +69,7 @@ def make_hook(spec: protocol.WorkerSpec, runner: Any) -> StoreHook | None:
     # nothing listening: worth waiting for (the first batches already use the store), never
     # longer than this.
     tier.link.tried.wait(spec.kv_store.load_timeout_s)
-    return StoreHook(tier, slots, spec.block_tokens)
+    return StoreHook(tier, slots, spec.block_tokens, payload)
 
 
 def identity_for(
@@ -87,10 +91,12 @@ def identity_for(
 class StoreHook:
     """Loads before a forward, puts after it (see the module docstring)."""
 
-    def __init__(self, tier: StoreTier, slots: Slots, block_tokens: int) -> None:
+    def __init__(self, tier: StoreTier, slots: Slots, block_tokens: int, payload: int) -> None:
         self.tier = tier
         self.slots = slots
         self.block_tokens = block_tokens
+        pad = payload - sum(a.nbytes for a in slots.slot_arrays(0))
+        self._pad = [np.zeros(pad, dtype=np.uint8)] if pad else []
         self.written: ForwardBatch | None = None  # the last forward's batch, until put
 
     def before(self, batch: ForwardBatch) -> tuple[ForwardBatch, np.ndarray | None]:
@@ -138,10 +144,10 @@ class StoreHook:
         at = 0
         for dst in self.slots.slot_arrays(slot):
             n = dst.nbytes
-            if dst.flags.writeable:  # (SimBlocks' padding is not)
-                src = np.frombuffer(payload, dtype=dst.dtype, count=dst.size, offset=at)
-                dst[...] = src.reshape(dst.shape)
-            at += n
+            src = np.frombuffer(payload, dtype=dst.dtype, count=dst.size, offset=at)
+            dst[...] = src.reshape(dst.shape)
+            at += n  # (the padding after the arrays, if any, is not read)
+        self.slots.loaded(slot)
 
     def finished(self, batch: ForwardBatch, seconds: float) -> None:
         """The forward of `batch` (as run) took `seconds`: learn the speed per token, and keep
@@ -160,7 +166,7 @@ class StoreHook:
             return
         for slot, block_hash in zip(ws.tolist(), hashes.tolist(), strict=True):
             arrays = self.slots.slot_arrays(slot)
-            self.tier.offer(block_hash, self._tokens_of(arrays), arrays)
+            self.tier.offer(block_hash, self._tokens_of(arrays), arrays + self._pad)
 
     @staticmethod
     def _tokens_of(arrays: list[np.ndarray]) -> np.ndarray:

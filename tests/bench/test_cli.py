@@ -82,6 +82,30 @@ def test_trace_replaces_lengths_and_rates():
     assert o.trace is not None and o.trace.lengths.max() == 512
 
 
+def test_trace_flags_and_cache_budgets():
+    mooncake = str(DATA / "mooncake_sample.jsonl")
+    o = parse_options(["--model", "sim", "--trace", mooncake])
+    # a trace that shares prefixes: cache on vs off, prompts whole, a fresh engine per point
+    assert [c.label for c in o.prefix_cache] == ["default", "off"] and o.fresh_engines
+    assert o.trace is not None and o.trace.block_tokens == 512 and o.trace.lengths.max() == 6000
+    assert o.max_prompt_len == o.model.max_prompt_tokens and o.distinct_blocks is not None
+    o = parse_options(
+        ["--model", "sim", "--trace", mooncake, "--trace-requests", "10", "--trace-speedup", "2",
+         "--trace-block-tokens", "32", "--prefix-cache", "all,10%,64MiB,off",
+         "--prefix-block-tokens", "8"]
+    )  # fmt: skip
+    assert o.trace is not None and len(o.trace) == 10 and o.trace.block_tokens == 32
+    assert [c.label for c in o.prefix_cache] == ["all", "10%", "64mib", "off"]
+    assert o.prefix_block_tokens == 8 and o.block_bytes == 8 * o.model.kv_bytes_per_token
+    assert o.distinct_blocks is not None and o.distinct_blocks > 10
+    all_, ten, mib, off = (o.cache_bytes(c) for c in o.prefix_cache)
+    assert all_ == o.distinct_blocks * o.block_bytes and off == 0 and mib == 64 * 2**20
+    assert ten == -(-o.distinct_blocks // 10) * o.block_bytes
+    o = parse_options(["--model", "sim"])  # no trace: the engine's default budget only
+    assert [c.label for c in o.prefix_cache] == ["default"] and not o.fresh_engines
+    assert o.cache_bytes(o.prefix_cache[0]) is None
+
+
 BAD = [
     (["--rate", "0.8y"], "--rate"),
     (["--rate", "0"], "--rate"),
@@ -119,6 +143,21 @@ BAD = [
     (["--ep", "--workers", "2", "--rate", "5", "--policy", "eager"], "--policy"),
     (["--policy", "ep-timer"], "--policy"),
     (["--ep", "--workers", "2"], "--rate"),  # the default rates are fractions of eager's
+    (["--trace-block-tokens", "32"], "--trace-block-tokens"),
+    (["--trace-speedup", "2"], "--trace-speedup"),
+    (["--trace-requests", "0"], "--trace-requests"),
+    (
+        ["--trace", str(DATA / "azure_sample.csv"), "--trace-block-tokens", "32"],
+        "--trace-block-tokens",
+    ),  # lengths only: no hash ids to scale
+    (
+        ["--trace", str(DATA / "mooncake_sample.jsonl"), "--trace-speedup", "2", "--rate", "5"],
+        "--trace-speedup",
+    ),
+    (["--prefix-cache", "lots"], "--prefix-cache"),
+    (["--prefix-cache", "off,0"], "--prefix-cache"),
+    (["--model", "sim", "--prefix-cache", "10%"], "--prefix-cache"),  # no trace to share
+    (["--prefix-block-tokens", "0"], "--prefix-block-tokens"),
 ]
 
 

@@ -20,7 +20,8 @@ POINT_KEYS = {
     "policy", "kind", "label", "offered_rps", "concurrency", "duration_s", "partial",
     "host_load_1m", "n_submitted", "n_completed", "n_failed", "errors", "ttft_ms", "queue_ms",
     "forward_ms", "return_ms", "generator_lag_ms", "throughput", "batches", "batch_size",
-    "batch_tokens", "bubble_us", "utilization", "goodput", "ideal", "engine_stats",
+    "batch_tokens", "bubble_us", "utilization", "goodput", "ideal", "engine_stats", "index",
+    "cache", "prefix",
 }  # fmt: skip
 DIST_KEYS = {"mean", "p50", "p90", "p99", "max"}
 
@@ -116,11 +117,41 @@ def test_trace_replay(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
-    (point,) = doc["points"]
     assert doc["config"]["trace"]["requests"] == 100
-    assert point["n_completed"] == point["n_submitted"]
-    assert 30 <= point["n_submitted"] <= 50  # the trace sped up to 40/s, cut at 1 s
-    assert point["batch_tokens"]["max"] <= 256 * point["batch_size"]["max"]
+    # its hash ids make it share prefixes: the engine's default cache, then cache off
+    assert [p["cache"] for p in doc["points"]] == ["default", "off"]
+    for point in doc["points"]:
+        assert point["n_completed"] == point["n_submitted"]
+        assert 30 <= point["n_submitted"] <= 50  # the trace sped up to 40/s, cut at 1 s
+        assert point["batch_tokens"]["max"] <= 256 * point["batch_size"]["max"]
+
+
+def test_trace_replay_with_the_cache_on_and_off(tmp_path):
+    """Each hash id its own tokens: the engine finds what the trace shares, never more than the
+    offline no-eviction replay of the same requests, and cache off finds nothing."""
+    out = tmp_path / "cache.json"
+    proc = bench(
+        *SIM, "--trace", str(DATA / "mooncake_sample.jsonl"), "--trace-block-tokens", "32",
+        "--trace-speedup", "20", "--prefix-cache", "all,off", "--policy", "forward",
+        "--saturation-s", "0", "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "Prefix cache: hit = cached / prompt tokens" in proc.stdout
+    doc = json.loads(out.read_text())
+    on, off = doc["points"]
+    assert (on["cache"], off["cache"]) == ("all", "off")
+    assert on["n_completed"] == off["n_completed"] == 100
+    assert on["prefix"]["prompt_tokens"] == off["prefix"]["prompt_tokens"]
+    assert off["prefix"]["cached_tokens"] == 0 and off["prefix"]["ceilings"] is None
+    ceil = on["prefix"]["ceilings"]
+    assert ceil["capacity_blocks"] >= ceil["distinct_blocks"] > 0
+    assert 0 < on["prefix"]["hit_ratio"] <= ceil["no_eviction"] + 1e-9
+    assert on["prefix"]["computed_tokens"] < off["prefix"]["computed_tokens"]
+    stats = on["engine_stats"]["prefix_cache"]
+    assert stats["hit_tokens"] >= on["prefix"]["cached_tokens"]  # (warm-up included)
+    names = [t["name"] for t in doc["targets"]]
+    assert "trace forward/all: hit ratio >= 0.98 x the no-eviction ceiling" in names
+    assert "trace forward/all vs off: TTFT mean lower" in names
 
 
 def test_ctrl_c_stops_cleanly_and_writes_what_was_measured(tmp_path):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from aioprefill.bench.costmodel import CostModel
-from aioprefill.bench.ideal import ideal_point, replay
+from aioprefill.bench.ideal import ideal_point, replay, uncached_cost
 from tests.bench.test_metrics import records, three_batches
 
 MS = CostModel(fixed_ms=10.0, per_token_us=0.0, attn_ns=0.0)  # every forward: 10 ms
@@ -116,3 +116,21 @@ def test_targets_judge_against_the_ideal_and_say_na_when_the_model_cannot_meet_t
     assert "target n/a: 0.8x: forward mean TTFT <= 0.5 x eager's" in text
     assert "NOT met: 0.8x: forward mean" not in text
     assert "0.8x        16.00" in text  # the ideal table's row
+
+
+def test_cached_tokens_cost_nothing_but_their_attention():
+    assert uncached_cost(10, 0) == (10, 100) and uncached_cost(10, 8) == (2, 36)
+    model = CostModel(fixed_ms=0.0, per_token_us=1000.0, attn_ns=0.0)  # 1 ms per token
+    arrivals = np.array([0.0, 0.1, 0.2])
+    lengths = np.array([10, 10, 10])
+    out = replay(
+        arrivals, lengths, model, num_workers=1, max_batch_tokens=5, max_batch_size=10,
+        cached=np.array([0, 8, 6]),
+    )  # fmt: skip
+    assert [round(x * 1e3, 6) for x in out] == [10, 2, 4]
+    # the token budget counts uncached tokens: 2 + 3 fit in 5 and share a forward
+    out = replay(
+        np.array([0.0, 0.0]), lengths[:2], model, num_workers=1, max_batch_tokens=5,
+        max_batch_size=10, cached=np.array([8, 7]),
+    )  # fmt: skip
+    assert [round(x * 1e3, 6) for x in out] == [5, 5]

@@ -201,8 +201,10 @@ async def test_load_bad_bodies_and_disconnect(example):
             # is busy is a 504 naming the X-Request-Id.
             r = await client.post(server.url + "/prefill", json={"tokens": [1], "deadline_s": -1})
             assert r.status_code == 400 and "deadline_s must be" in r.json()["error"]
+            # Other tokens than the cancelled request's: its blocks were cached by its forward,
+            # so [7] * 3000 would now be a prefix-cache hit, in flight for a moment only.
             long = asyncio.ensure_future(
-                client.post(server.url + "/prefill", json={"tokens": [7] * 3000})
+                client.post(server.url + "/prefill", json={"tokens": [8] * 3000})
             )
             await until(
                 client,

@@ -69,10 +69,12 @@ def wait_stored(
 ) -> None:
     """Wait until the store holds every full block of `tokens` (puts are asynchronous)."""
     if isinstance(model, SimModel):
-        layout = SimBlocks(1, B, B * model.kv_bytes_per_token).layout()
+        layout = f"{SimBlocks(1, B).layout()} P{B * model.kv_bytes_per_token}"
     else:
         dims = (model.num_layers, model.num_kv_heads, model.head_dim, model.hidden_size)
-        layout = BlockStore(1, **dict(zip(DIMS, dims, strict=True)), block_tokens=B).layout()
+        store = BlockStore(1, **dict(zip(DIMS, dims, strict=True)), block_tokens=B)
+        payload = sum(a.nbytes for a in store.slot_arrays(0))
+        layout = f"{store.layout()} P{payload}"
     identity = identity_for(model, options(master.address), B, layout)
     hashes = block_hashes(np.asarray(tokens, dtype="<i4").tobytes(), B, None)
     keys = [identity.key(h) for h in hashes]

@@ -207,7 +207,63 @@ def test_plans_the_runner_cannot_follow_are_refused() -> None:
     for batch, match in cases:
         with pytest.raises(ValueError, match=match):
             r.forward(batch)
+    # A slot no forward wrote, and one whose writing forward failed (its KV export could not
+    # be opened), are never read: the batch is refused rather than answered from them.
+    with pytest.raises(ValueError, match="reads slot 63, which holds no block"):
+        r.forward(planned(make_batch([p[B:]], starts=[B]), [[63]]))
+    r.forward(planned(make_batch([p]), None, [[62]], [0]))
+    bad = with_options(make_batch([p]), [protocol.OPT_RETURN_KV], [0], ["x" * 300])
+    with pytest.raises(OSError):
+        r.forward(planned(bad, None, [[62]], [0]))
+    with pytest.raises(ValueError, match="reads slot 62, which holds no block"):
+        r.forward(planned(make_batch([p[B:]], starts=[B]), [[62]]))
     off = PaddleRunner(small(seed=31))
     assert (off.cache_blocks, off.block_bytes) == (0, 14978)
     with pytest.raises(ValueError, match="none are kept"):
         off.forward(planned(make_batch([p]), None, [[0]], [0]))
+
+
+def test_slots_take_memory_only_as_they_are_written() -> None:
+    """A 1 GiB budget is allocated at start but touched as slots are written: the worker's
+    resident memory grows with the blocks held, not with the budget."""
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) << 10
+
+    spec = small(seed=32)
+    before = rss()
+    r = PaddleRunner(spec, prefix_cache_bytes=1 << 30, block_tokens=B)
+    assert r.cache_blocks == (1 << 30) // 14978
+    assert rss() - before < 64 << 20  # the weights and the runner, not the 1 GiB
+    p = prompt(B * 40 + 1, seed=10)
+    before = rss()
+    r.forward(planned(make_batch([p]), None, [list(range(40))], [0]))
+    assert rss() - before < (40 * 14978 + (64 << 20))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_readers_of_the_same_slots_in_one_batch(mode: str) -> None:
+    """A burst sharing a cached prefix: every reader of the same slots answers as if alone
+    (they share one copy of the cached K/V per layer), the last one going on in a second
+    chunk."""
+    r = runner(mode)
+    shared = prompt(64, seed=11)
+    run(r, [(shared, 0)], 0, [([], [50, 51, 52, 53], 0)])
+    full = [np.concatenate([shared, prompt(3 + 9 * i, seed=12 + i)]) for i in range(3)]
+    extra = prompt(20, seed=20)
+    batch = make_batch([f[64:] for f in full], ids=[1, 2, 3], starts=[64] * 3)
+    batch = dataclasses.replace(batch, is_last=np.array([True, True, False]))
+    out = r.forward(planned(batch, [[50, 51, 52, 53]] * 3))
+    assert out.request_ids.tolist() == [1, 2]
+    rest = r.forward(make_batch([extra], ids=[3], starts=[len(full[2])]))
+    got = [(out.tokens[0], out.logprobs[0]), (out.tokens[1], out.logprobs[1])]
+    got.append((rest.tokens[0], rest.logprobs[0]))
+    wholes = [full[0], full[1], np.concatenate([full[2], extra])]
+    for (token, logprob), p in zip(got, wholes, strict=True):
+        want = r.forward(make_batch([p], ids=[next(_ids)]))
+        assert token == want.tokens[0]
+        if mode == "deterministic":
+            assert logprob == want.logprobs[0]
+        else:
+            assert abs(logprob - want.logprobs[0]) <= 1e-5

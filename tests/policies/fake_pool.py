@@ -27,6 +27,7 @@ class FakeBatch:
     chunks: list[Chunk] = field(default_factory=list)
     cache: tuple[bytes, ...] | None = None  # the prefix cache columns it carried
     pins: object = None
+    answer: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,10 +103,10 @@ class Harness:
         block_tokens: int = 4,
     ) -> None:
         cls = policy_class(policy, expert_parallel=expert_parallel)
-        cache = PrefixCache(groups, block_tokens) if cache_blocks else None
+        self.pool = FakePool(groups, capacity, cache_blocks)
+        cache = PrefixCache(self.pool.slots, block_tokens) if cache_blocks else None
         budget = Budget(max_batch_tokens, max_batch_size)
         self.sched = Scheduler(budget, staging=cls.staging, cache=cache)
-        self.pool = FakePool(groups, capacity, cache_blocks)
         self.timer = FakeTimer()
         self.policy: DispatchPolicy = cls(
             self.sched, self.pool, self.timer, batch_timeout_ms=batch_timeout_ms
@@ -135,7 +136,8 @@ class Harness:
             self.policy.on_answer_waiting(group)
         batch = g.in_flight.popleft()
         g.ring_full = False
-        free = self.sched.answered(batch)
+        free = self.sched.release(batch.chunks)
+        self.sched.unpin(batch)
         if free >= 0:
             g.freed.append(free)
         if self.sched.num_pending:

