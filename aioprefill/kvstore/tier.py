@@ -117,9 +117,10 @@ class StoreTier:
         self.clock.record(seconds, computed_tokens)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop both threads; unmount the segment once neither is inside a store call (a
-        thread stuck in a call to a dead master is left to the process's exit)."""
+        """Stop both threads; unmount the segment (~2 s) once neither is inside a store call
+        and the master answers (unmounting from a dead master retries for many seconds: the
+        process's exit ends the client instead, and the master forgets it after its TTL)."""
         puts_done = self.puts.close(timeout)
         loads_done = self.loader.close(timeout)
-        if puts_done and loads_done:
+        if puts_done and loads_done and self.link.up.is_set():
             self.link.close()
