@@ -155,6 +155,7 @@ class PaddleRunner:
         self.block_bytes = BlockStore.block_bytes(**shape)
         self.cache_blocks = max(0, prefix_cache_bytes) // self.block_bytes
         self._store = BlockStore(self.cache_blocks, **shape) if self.cache_blocks else None
+        self.cache_slots = self._store  # what the KV store tier loads into (workers.store_hook)
         self._exports = KVWriters()  # KV exports the running forward writes
 
     # ------------------------------------------------------------------ public interface
