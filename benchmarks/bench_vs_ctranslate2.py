@@ -95,6 +95,7 @@ def ct2_side() -> None:
     if not (model_dir / "model.bin").exists():
         _convert(Path(job["gguf"]), model_dir)
     vocab = json.loads((model_dir / "vocabulary.json").read_text())
+    ids = {token: i for i, token in enumerate(vocab)}
     workloads = {
         name: [[vocab[i] for i in p] for p in prompts] for name, prompts in job["workloads"].items()
     }
@@ -129,7 +130,7 @@ def ct2_side() -> None:
             )
             wall = time.perf_counter() - t0
             out = {
-                "tokens": [vocab.index(r.sequences[0][0]) if ask["keep"] else 0 for r in res],
+                "tokens": [ids[r.sequences[0][0]] if ask["keep"] else 0 for r in res],
                 "logprobs": [r.scores[0] for r in res],
             }
         else:
@@ -246,7 +247,8 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
 
     def ask(setting: int, workload: str, mode: str, keep: bool) -> dict:
         assert ct2.stdin is not None and ct2.stdout is not None
-        ct2.stdin.write(json.dumps(locals()) + "\n")
+        job = {"setting": setting, "workload": workload, "mode": mode, "keep": keep}
+        ct2.stdin.write(json.dumps(job) + "\n")
         ct2.stdin.flush()
         return json.loads(ct2.stdout.readline())
 
@@ -279,6 +281,7 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
                             wall = time.perf_counter() - t0
                         name = f"aioprefill {args.aio[i]}"
                         got["runs"][f"{workload} {mode} {name}"] = tokens / wall
+                        print(f"  {workload} {mode} {name}: {tokens / wall:.0f} tok/s", flush=True)
                         if keep and i == 0:
                             out[f"aio {workload} {mode}"] = {
                                 "tokens": [r.token for r in results],
@@ -290,8 +293,11 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
                     for i, setting in enumerate(args.ct2):
                         with meter.measure():
                             answer = ask(i, workload, mode, keep and i == 0)
-                        got["runs"][f"{workload} {mode} ctranslate2 {setting}"] = (
-                            tokens / answer.pop("wall_s")
+                        rate = tokens / answer.pop("wall_s")
+                        got["runs"][f"{workload} {mode} ctranslate2 {setting}"] = rate
+                        print(
+                            f"  {workload} {mode} ctranslate2 {setting}: {rate:.0f} tok/s",
+                            flush=True,
                         )
                         if keep and i == 0:
                             out[f"ct2 {workload} {mode}"] = answer

@@ -35,8 +35,10 @@ from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 __all__ = ["OutputHead", "host"]
 
 # Prompt log-probabilities run the head over many rows: at most this many at a time (without
-# deterministic tiles), so a long prompt's [rows, vocab] logits stay ~64 MB.
-_MAX_ROWS = 512
+# deterministic tiles). 128 rows of SmolLM2's 49152 logits (25 MB) stay in cache for the
+# log-softmax's passes: scoring 2048 rows took 2.04 s against 2.51 s in tiles of 512 (1 thread,
+# oneDNN; the product itself gets slower below ~128 rows: benchmarks/bench_gemm.py).
+_MAX_ROWS = 128
 _EMBED = protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN
 
 
