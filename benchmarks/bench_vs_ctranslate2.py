@@ -26,7 +26,9 @@ Settings, each side on `--threads` CPU threads in all:
 
 Every round runs every (side, setting, workload, mode) once, in the same order, so each sees the
 same moments of a shared machine; the tables give the median round and each setting's ratio to
-CTranslate2's best setting of that round (the median of those per-round ratios). The machine's
+CTranslate2's best setting of that round (the median of those per-round ratios), and tokens per
+CPU-second of that side's processes (less moved by other load than wall time, but it counts
+OpenMP threads spinning while they wait). The machine's
 load is recorded: the load average and the CPU time other processes used during the runs. Also
 recorded: the CPU (model, ISA flags), each side's math library, and each aioprefill worker's
 resident memory after the runs.
@@ -221,6 +223,7 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
     from aioprefill import Engine, EngineConfig, PaddleModel
 
     meter = LoadMeter()
+    hz = os.sysconf("SC_CLK_TCK")
     cmd = [args.ct2_python, __file__, "--ct2-side"]
     ct2 = subprocess.Popen(
         cmd,
@@ -264,12 +267,13 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
             await engine.prefill(workloads["64x280"][0])  # warm-up
             engines.append(engine)
         for index in range(args.rounds):
-            got: dict = {"load_avg_1m": os.getloadavg()[0], "runs": {}}
+            got: dict = {"load_avg_1m": os.getloadavg()[0], "runs": {}, "per_cpu_s": {}}
             keep = index == 0
             for workload, prompts in workloads.items():
                 tokens = sum(len(p) for p in prompts)
                 for mode in ("next", "score"):
                     for i, engine in enumerate(engines):
+                        cpu0 = _proc_jiffies(engine.worker_pids())
                         with meter.measure():
                             t0 = time.perf_counter()
                             results = await asyncio.gather(
@@ -281,6 +285,8 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
                             wall = time.perf_counter() - t0
                         name = f"aioprefill {args.aio[i]}"
                         got["runs"][f"{workload} {mode} {name}"] = tokens / wall
+                        cpu = (_proc_jiffies(engine.worker_pids()) - cpu0) / hz
+                        got["per_cpu_s"][f"{workload} {mode} {name}"] = tokens / max(cpu, 1e-9)
                         print(f"  {workload} {mode} {name}: {tokens / wall:.0f} tok/s", flush=True)
                         if keep and i == 0:
                             out[f"aio {workload} {mode}"] = {
@@ -291,8 +297,12 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
                                 else None,
                             }
                     for i, setting in enumerate(args.ct2):
+                        cpu0 = _proc_jiffies([ct2.pid])
                         with meter.measure():
                             answer = ask(i, workload, mode, keep and i == 0)
+                        cpu = (_proc_jiffies([ct2.pid]) - cpu0) / hz
+                        per_cpu = tokens / max(cpu, 1e-9)
+                        got["per_cpu_s"][f"{workload} {mode} ctranslate2 {setting}"] = per_cpu
                         rate = tokens / answer.pop("wall_s")
                         got["runs"][f"{workload} {mode} ctranslate2 {setting}"] = rate
                         print(
@@ -380,6 +390,7 @@ def main() -> None:
     got = uvloop.run(run(args, gguf, workloads))
     names = list(got["rounds"][0]["runs"])
     median = {n: statistics.median(r["runs"][n] for r in got["rounds"]) for n in names}
+    per_cpu = {n: statistics.median(r["per_cpu_s"][n] for r in got["rounds"]) for n in names}
     ratios = {}
     for n in names:
         workload, mode = n.split()[:2]
@@ -400,6 +411,7 @@ def main() -> None:
         "other_processes_cpus": {"mean": got["other_cpus_mean"], "max": got["other_cpus_max"]},
         "tokens_per_s_median": median,
         "ratio_to_ct2_best_median": ratios,
+        "tokens_per_cpu_s_median": per_cpu,
         "agreement": {w: _agreement(got, w) for w in workloads},
         "aio_worker_rss_mib": got["aio_rss_mib"],
         "rounds": got["rounds"],
@@ -414,10 +426,10 @@ def main() -> None:
         f"used {got['other_cpus_mean']:.2f} CPUs on average (max {got['other_cpus_max']:.2f})",
         f"aioprefill: {result['aioprefill_libraries']}",
         f"CTranslate2 {got['ctranslate2']['version']}: {'; '.join(got['ctranslate2']['log'][:4])}",
-        f"{'workload mode setting':44} {'tok/s':>8} {'vs CT2 best':>12}",
+        f"{'workload mode setting':44} {'tok/s':>8} {'vs CT2 best':>12} {'tok/CPU-s':>10}",
     ]
     for n in names:
-        lines.append(f"{n:44} {median[n]:8.0f} {ratios[n]:12.2f}")
+        lines.append(f"{n:44} {median[n]:8.0f} {ratios[n]:12.2f} {per_cpu[n]:10.0f}")
     for w, a in result["agreement"].items():
         lines.append(f"{w}: {a}")
     lines.append(f"aioprefill worker RSS MiB: {got['aio_rss_mib']}")
