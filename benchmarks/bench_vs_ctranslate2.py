@@ -35,7 +35,7 @@ resident memory after the runs.
 
     bash benchmarks/make_ct2_venv.sh /work/ct2-venv      # once: the benchmark venv
     python benchmarks/bench_vs_ctranslate2.py [--threads 2] [--rounds 3]
-        [--aio 1x2,2x1] [--ct2 1x2/0,2x1/8] [--ct2-python /work/ct2-venv/bin/python]
+        [--aio 2x1,2x1/2240,2x1:mkl] [--ct2 2x1/8,2x1/1] [--ct2-python /work/ct2-venv/bin/python]
 """
 
 from __future__ import annotations
@@ -287,7 +287,11 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
                         got["runs"][f"{workload} {mode} {name}"] = tokens / wall
                         cpu = (_proc_jiffies(engine.worker_pids()) - cpu0) / hz
                         got["per_cpu_s"][f"{workload} {mode} {name}"] = tokens / max(cpu, 1e-9)
-                        print(f"  {workload} {mode} {name}: {tokens / wall:.0f} tok/s", flush=True)
+                        print(
+                            f"  {workload} {mode} {name}: {tokens / wall:.0f} tok/s, "
+                            f"{tokens / max(cpu, 1e-9):.0f} tok/CPU-s",
+                            flush=True,
+                        )
                         if keep and i == 0:
                             out[f"aio {workload} {mode}"] = {
                                 "tokens": [r.token for r in results],
@@ -359,8 +363,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per setting")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--aio", default="1x2,2x1")
-    parser.add_argument("--ct2", default="1x2/0,2x1/8")
+    parser.add_argument("--aio", default="2x1,2x1/2240,2x1:mkl")
+    parser.add_argument("--ct2", default="2x1/8,2x1/1")
     parser.add_argument("--workloads", default="64x280,real12")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ct2-python", default="/work/ct2-venv/bin/python")
