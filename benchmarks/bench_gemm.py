@@ -77,7 +77,7 @@ def main() -> None:
                 x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
                 if heads:
                     w = paddle.to_tensor(
-                        rng.standard_normal((heads, k, n), dtype=np.float32) / np.sqrt(k)
+                        (rng.standard_normal((heads, k, n)) / np.sqrt(k)).astype(np.float32)
                     )
 
                     def mkl(x=x, w=w):  # type: ignore[no-untyped-def]
@@ -86,7 +86,9 @@ def main() -> None:
                     def dnnl(x=x, w=w):  # type: ignore[no-untyped-def]
                         return ours.project(x, w)
                 else:
-                    w = paddle.to_tensor(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
+                    w = paddle.to_tensor(
+                        (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+                    )
 
                     def mkl(x=x, w=w):  # type: ignore[no-untyped-def]
                         return paddle.matmul(x, w, transpose_y=True)

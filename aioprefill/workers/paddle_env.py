@@ -12,9 +12,10 @@ Two measured problems, on the 2-vCPU AMD EPYC build machine:
   4.4 ms instead of 0.4 ms. Raising the mmap and trim thresholds keeps freed memory in the heap
   for reuse; the cost is that the worker's resident memory stays at its high-water mark.
 
-Which library a CPU worker multiplies with is `cpu_gemm()`: oneDNN's sgemm, which the wheel also
-ships, unless `AIOPREFILL_CPU_GEMM=mkl` (see `paddle_gemm`); `library_versions()` records both
-libraries' versions for benchmarks without importing paddle.
+Which library a CPU worker multiplies with is `cpu_gemm()`: on an AMD CPU with AVX-512, oneDNN's
+sgemm, which the wheel also ships (see `paddle_gemm`), elsewhere MKL; `AIOPREFILL_CPU_GEMM`
+(`onednn`, `mkl`) overrides. `library_versions()` records both libraries' versions for
+benchmarks without importing paddle.
 """
 
 from __future__ import annotations
@@ -101,11 +102,16 @@ _CPU_GEMMS = ("onednn", "mkl")
 
 
 def cpu_gemm() -> str:
-    """How a CPU worker multiplies matrices (`paddle_gemm`): `onednn` (the default) or `mkl`
-    (Paddle's own matmul), from `AIOPREFILL_CPU_GEMM`."""
-    name = os.environ.get(CPU_GEMM_ENV, "onednn").strip().lower() or "onednn"
+    """How a CPU worker multiplies matrices (`paddle_gemm`): `onednn` or `mkl` (Paddle's own
+    matmul), from `AIOPREFILL_CPU_GEMM`; unset or `auto`: oneDNN on AMD CPUs with AVX-512, where
+    MKL runs AVX2 kernels at best, MKL elsewhere (on Intel it has its own AVX-512 kernels)."""
+    name = os.environ.get(CPU_GEMM_ENV, "auto").strip().lower() or "auto"
+    if name == "auto":
+        return "onednn" if is_amd_cpu() and cpu_has_avx512f() else "mkl"
     if name not in _CPU_GEMMS:
-        raise ValueError(f"{CPU_GEMM_ENV}={name!r}: expected one of {', '.join(_CPU_GEMMS)}")
+        raise ValueError(
+            f"{CPU_GEMM_ENV}={name!r}: expected auto or one of {', '.join(_CPU_GEMMS)}"
+        )
     return name
 
 

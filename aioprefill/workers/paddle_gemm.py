@@ -7,13 +7,16 @@ where there is one) on any vendor: the routine CTranslate2 multiplies with by de
 eager `matmul` never reaches it (`FLAGS_use_mkldnn` changes nothing there: measured), so a CPU
 worker calls it through ctypes on the tensors' memory, into an output Paddle allocated. Both
 libraries run on the wheel's one OpenMP runtime (libiomp5: oneDNN's GNU OpenMP calls bind to it),
-so they share one thread pool. Measured on SmolLM2's shapes, 1 thread, AMD EPYC (Zen 4, whose
-AVX-512 units are 256 bits wide, so AVX2 and AVX-512 have the same peak): oneDNN 1.0-1.3x MKL;
-on a CPU with full-width AVX-512 the gap is up to 2x (docs/perf-ctranslate2.md).
+so they share one thread pool. Measured on an AMD EPYC Zen 4 (whose AVX-512 units are 256 bits
+wide: AVX2 and AVX-512 have the same peak), 1 thread: oneDNN 1.0-1.2x MKL from ~280 rows up,
+0.5-1.0x below 64 rows; CTranslate2 ran 1.2-1.3x faster on oneDNN than on its MKL here, 2x on
+the machine issue 25 was measured on (docs/perf-ctranslate2.md).
 
 Exactness: float32 in, out and accumulated, as MKL; the two differ by float32 rounding only
-(~5e-6 on unit-scale products). `AIOPREFILL_CPU_GEMM=mkl` (read when a worker starts) keeps
-Paddle's own `matmul`, as does a GPU, a dtype other than float32, or a wheel without the library.
+(~5e-6 on unit-scale products). Where MKL has its own AVX-512 kernels (Intel) or there is no
+AVX-512, or with `AIOPREFILL_CPU_GEMM=mkl` (read when a worker starts: `paddle_env.cpu_gemm`),
+the worker keeps Paddle's own `matmul`, as it does on a GPU, for a dtype other than float32, or
+with a wheel without the library.
 
 Batch invariance: with `tile_rows` (`deterministic=True`) `linear` and `project` multiply fixed
 tiles of that many rows, each written in place into the output (no split, no concat), so no

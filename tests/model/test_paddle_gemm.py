@@ -14,6 +14,12 @@ from aioprefill.workers.paddle_gemm import Products
 paddle.set_device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _onednn_chosen(monkeypatch):
+    """Every test here multiplies on oneDNN, whatever this CPU would get by default."""
+    monkeypatch.setenv(paddle_env.CPU_GEMM_ENV, "onednn")
+
+
 def _onednn(tile: int | None = None) -> Products:
     products = Products("cpu", 1, tile)
     # The wheel the project pins ships libdnnl: a silent fallback would make every test below
@@ -89,6 +95,18 @@ def test_mkl_setting_keeps_paddles_matmul(monkeypatch):
     monkeypatch.setenv(paddle_env.CPU_GEMM_ENV, "openblas")
     with pytest.raises(ValueError, match="AIOPREFILL_CPU_GEMM"):
         Products("cpu", 1, None)
+
+
+def test_auto_takes_onednn_only_on_amd_with_avx512(monkeypatch):
+    monkeypatch.setenv(paddle_env.CPU_GEMM_ENV, "auto")
+    amd_avx512 = paddle_env.is_amd_cpu() and paddle_env.cpu_has_avx512f()
+    assert paddle_env.cpu_gemm() == ("onednn" if amd_avx512 else "mkl")
+    monkeypatch.setattr(paddle_env, "is_amd_cpu", lambda: False)
+    assert paddle_env.cpu_gemm() == "mkl"
+    monkeypatch.setattr(paddle_env, "is_amd_cpu", lambda: True)
+    monkeypatch.setattr(paddle_env, "cpu_has_avx512f", lambda: True)
+    assert paddle_env.cpu_gemm() == "onednn"
+    assert Products("gpu:0", 1, None).uses_onednn is False
 
 
 def test_library_versions_name_both_libraries():
