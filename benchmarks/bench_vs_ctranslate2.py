@@ -310,7 +310,8 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
                         rate = tokens / answer.pop("wall_s")
                         got["runs"][f"{workload} {mode} ctranslate2 {setting}"] = rate
                         print(
-                            f"  {workload} {mode} ctranslate2 {setting}: {rate:.0f} tok/s",
+                            f"  {workload} {mode} ctranslate2 {setting}: {rate:.0f} tok/s, "
+                            f"{per_cpu:.0f} tok/CPU-s",
                             flush=True,
                         )
                         if keep and i == 0:
@@ -353,9 +354,11 @@ def _agreement(got: dict, workload: str) -> dict:
 
 
 def _aio_libraries() -> dict:
-    """What the aioprefill workers multiply with (read without importing paddle)."""
-    from aioprefill.workers.paddle_env import library_versions
+    """The libraries the aioprefill workers multiply with, and what `auto` picks on this CPU
+    (each setting names its own path; read without importing paddle)."""
+    from aioprefill.workers.paddle_env import CPU_GEMM_ENV, library_versions
 
+    os.environ.pop(CPU_GEMM_ENV, None)
     return library_versions()
 
 
