@@ -8,7 +8,7 @@ eager `matmul` never reaches it (`FLAGS_use_mkldnn` changes nothing there: measu
 worker calls it through ctypes on the tensors' memory, into an output Paddle allocated. Both
 libraries run on the wheel's one OpenMP runtime (libiomp5: oneDNN's GNU OpenMP calls bind to it),
 so they share one thread pool. Measured on an AMD EPYC Zen 4 (whose AVX-512 units are 256 bits
-wide: AVX2 and AVX-512 have the same peak), 1 thread: oneDNN 1.0-1.2x MKL from ~280 rows up,
+wide: AVX2 and AVX-512 have the same peak), 1 thread: oneDNN 0.9-1.2x MKL from ~280 rows up,
 0.5-1.0x below 64 rows; CTranslate2 ran 1.2-1.3x faster on oneDNN than on its MKL here, 2x on
 the machine issue 25 was measured on (docs/perf-ctranslate2.md).
 
