@@ -16,8 +16,8 @@ Which library a CPU worker multiplies with is `cpu_gemm()`: MKL (Paddle's own ma
 `AIOPREFILL_CPU_GEMM` says `onednn` (oneDNN's sgemm, which the wheel also ships; see
 `paddle_gemm`) or `auto` (oneDNN on an AMD CPU with AVX-512, MKL elsewhere). MKL stays the
 default: on this project's Zen 4 build machine oneDNN was no faster per CPU-second on full
-batches and 10-20% slower on a lone short request (docs/perf-ctranslate2.md). `library_versions()` records both libraries' versions for
-benchmarks without importing paddle.
+batches and 10-20% slower on a lone short request (docs/perf-ctranslate2.md).
+`library_versions()` records both libraries' versions for benchmarks without importing paddle.
 """
 
 from __future__ import annotations
