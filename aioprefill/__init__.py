@@ -22,6 +22,7 @@ from aioprefill.errors import (
     WrongLoop,
 )
 from aioprefill.health import EngineHealth
+from aioprefill.kvstore.options import KVStoreOptions
 from aioprefill.loop import Engine
 from aioprefill.result import PrefillResult
 from aioprefill.stats import EngineStats
@@ -41,6 +42,7 @@ __all__ = [
     "InvalidRequest",
     "InvalidRequestType",
     "KVExportClosed",
+    "KVStoreOptions",
     "PaddleModel",
     "PrefillResult",
     "ProtocolError",

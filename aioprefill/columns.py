@@ -35,7 +35,7 @@ class Columns:
         self.outputs: list[tuple[int, Any]] | None = None
         self.num_tokens = 0
         # The prefix cache's five columns (`BatchPlan.columns()`), None: no reads, no writes.
-        self.cache: tuple[bytes, bytes, bytes, bytes, bytes] | None = None
+        self.cache: tuple[bytes, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -99,7 +99,7 @@ def make_prefill_batch(
     free_ids: list[int],
     sent_ns: int,
     options: tuple[bytes, bytes, list[str]] | None = None,
-    cache: tuple[bytes, bytes, bytes, bytes, bytes] | None = None,
+    cache: tuple[bytes, ...] | None = None,
 ) -> PrefillBatch:
     """Pack per-request columns into a PrefillBatch (`token_parts`: int32 bytes per request).
 
@@ -129,7 +129,7 @@ def make_prefill_batch(
         msg.options, msg.top_k, msg.kv_names = options
     if cache is not None:
         (msg.read_offsets, msg.read_slots, msg.write_offsets, msg.write_slots) = cache[:4]
-        msg.write_first = cache[4]
+        msg.write_first, msg.write_hashes = cache[4], cache[5]
     return msg
 
 

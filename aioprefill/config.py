@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from aioprefill.checks import finite_nonneg as _finite_nonneg
 from aioprefill.checks import positive_int as _positive_int
 from aioprefill.checks import require as _require
+from aioprefill.kvstore.options import KV_STORE_BACKENDS, KVStoreOptions
 from aioprefill.models import ARCHITECTURES, ROPE_TYPES, ModelSpec, PaddleModel, SimModel
 from aioprefill.optional import import_optional
 from aioprefill.parallel import check_parallel
@@ -91,6 +92,23 @@ def _check_kv_events(endpoint: object, replay: object) -> None:
     import_optional("zmq", "events")  # InvalidConfig naming the extra when pyzmq is missing
 
 
+def _check_kv_store(kind: object, options: object) -> None:
+    _require(
+        kind is None or kind in KV_STORE_BACKENDS,
+        "EngineConfig.kv_store",
+        f"must be None or one of {', '.join(KV_STORE_BACKENDS)}; got {kind!r}",
+    )
+    _require(
+        isinstance(options, KVStoreOptions),
+        "EngineConfig.kv_store_options",
+        f"must be aioprefill.KVStoreOptions(...), got {type(options).__name__}",
+    )
+    if kind is not None:  # InvalidConfig naming the extra (and libibverbs1) when missing
+        from aioprefill.kvstore.backend import load_store
+
+        load_store()
+
+
 @dataclass(slots=True, kw_only=True)
 class EngineConfig:
     """Everything an `Engine` needs. Validated once, here; bad fields raise `InvalidConfig`."""
@@ -145,6 +163,10 @@ class EngineConfig:
     # kv_events_replay_endpoint (None: the same host, PORT + 1). See docs/kv-events.md.
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    # "mooncake": a Mooncake Store is the prefix cache's second tier, shared by every worker
+    # of every engine that names the same master (aioprefill.kvstore, docs/kv-store.md).
+    kv_store: str | None = None
+    kv_store_options: KVStoreOptions = field(default_factory=KVStoreOptions)
 
     def __post_init__(self) -> None:
         _require(
@@ -220,6 +242,18 @@ class EngineConfig:
             self.kv_events_endpoint is None or self.prefix_cache_bytes > 0,
             "EngineConfig.kv_events_endpoint",
             "publishes the prefix cache's blocks: needs prefix_cache_bytes > 0",
+        )
+        _check_kv_store(self.kv_store, self.kv_store_options)
+        _require(
+            self.kv_store is None or self.prefix_cache_bytes > 0,
+            "EngineConfig.kv_store",
+            "the store is the prefix cache's second tier: it needs prefix_cache_bytes > 0",
+        )
+        _require(
+            self.kv_store is None or self.tp_size == 1,
+            "EngineConfig.kv_store",
+            "not with tp_size > 1 yet (a group's ranks would first have to agree on the blocks "
+            "they loaded)",
         )
         if self.ring_capacity is not None:
             _positive_int(self.ring_capacity, "EngineConfig.ring_capacity")

@@ -57,6 +57,7 @@ _GAUGES = (
 _PREFIX_CACHE = (
     ("queried_tokens", "prefix_cache_queries", "Prompt tokens looked up in a prefix cache.", 1),
     ("hit_tokens", "prefix_cache_hits", "Prompt tokens read from a prefix cache.", 1),
+    ("store_hit_tokens", "prefix_cache_store_hits", "Prompt tokens loaded from the KV store.", 1),
     ("evictions", "prefix_cache_evictions", "Cached blocks evicted to make room.", 1),
     ("blocks", "prefix_cache_blocks", "Blocks the workers' prefix caches hold.", 0),
     ("bytes", "prefix_cache_bytes", "Bytes the workers' prefix caches hold (every rank).", 0),

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 
 import msgspec
+import numpy as np
 
-from aioprefill.core import InFlightBatch, Request
+from aioprefill.core import Chunk, InFlightBatch, Request
 from aioprefill.errors import DeadlineExceeded, ForwardFailed, ProtocolError
 from aioprefill.kv import KVExports
 from aioprefill.outputs import read_outputs
@@ -76,6 +77,8 @@ class Outcomes:
         try:
             ids, tokens, logprobs = msg.arrays()
             extras = read_outputs(msg, batch.chunks, self._kv)  # (no work without options)
+            if msg.loaded_tokens:
+                self._count_loaded(batch.chunks, msg.loaded_tokens)
         except ProtocolError as exc:
             stats.protocol_errors += 1
             # A chunked prompt that asked for outputs lost this chunk's share: it fails too,
@@ -129,6 +132,17 @@ class Outcomes:
         self._sched.finish(answered)
         if k != len(ids):
             stats.protocol_errors += 1
+
+    def _count_loaded(self, chunks: list[Chunk], column: bytes) -> None:
+        """The tokens each chunk's worker loaded from the KV store instead of computing them:
+        its request's `cached_tokens`, and the prefix cache's `store_hit_tokens`."""
+        loaded = np.frombuffer(column, dtype="<i4")
+        if len(loaded) != len(chunks) or (len(loaded) and loaded.min() < 0):
+            raise ProtocolError("BatchResult.loaded_tokens does not match its batch")
+        for c, k in zip(chunks, loaded.tolist(), strict=True):
+            c.request.cached_tokens += k
+        if self._sched.cache is not None:
+            self._sched.cache.store_hit_tokens += int(loaded.sum())
 
     def fail_batch(self, group: int, batch: InFlightBatch, msg: BatchFailed) -> None:
         error = ForwardFailed(

@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 
 from aioprefill.errors import ProtocolError
+from aioprefill.kvstore.options import KVStoreOptions
 from aioprefill.models import PaddleModel, SimModel
 from aioprefill.parallel import ParallelInfo
 from aioprefill.shm.channel import ChannelSpec
@@ -75,6 +76,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     # many blocks that is; the engine then owns the slots (see `PrefillBatch`).
     prefix_cache_bytes: int = 0
     block_tokens: int = 16
+    kv_store: KVStoreOptions | None = None  # the cache's second tier (aioprefill.kvstore)
 
 
 # ---- engine -> worker ---------------------------------------------------------------------
@@ -114,19 +116,22 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
     # that a request *earlier in the same batch* writes (both share an uncached prefix): the
     # worker makes each layer's written keys/values visible before later requests attend. The
     # engine never writes a slot that the same batch reads for its old content.
+    # write_hashes uint64[len(write_slots)]: the written blocks' hashes (store keys, when the
+    # worker has a store: it may load a chunk's leading written blocks instead of computing).
     read_offsets: bytes = b""
     read_slots: bytes = b""
     write_offsets: bytes = b""
     write_slots: bytes = b""
     write_first: bytes = b""
+    write_hashes: bytes = b""
 
     @property
     def size(self) -> int:
         return len(self.request_ids) // 8
 
-    def cache_arrays(self) -> tuple[np.ndarray, ...] | None:
-        """(read_offsets, read_slots, write_offsets, write_slots, write_first) validated, or
-        None when the batch does not touch the prefix cache."""
+    def cache_arrays(self) -> tuple[Any, ...] | None:
+        """(read_offsets, read_slots, write_offsets, write_slots, write_first, write_hashes or
+        None) validated, or None when the batch does not touch the prefix cache."""
         if not (self.read_offsets or self.write_offsets):
             return None
         n = self.size
@@ -149,7 +154,10 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
                 raise ProtocolError(f"PrefillBatch {what} slots has a negative slot")
         if n and write_first.min() < 0:
             raise ProtocolError("PrefillBatch.write_first has a negative block")
-        return read_offsets, read_slots, write_offsets, write_slots, write_first
+        if len(self.write_hashes) not in (0, 2 * len(self.write_slots)):
+            raise ProtocolError("PrefillBatch.write_hashes does not match its write slots")
+        hashes = np.frombuffer(self.write_hashes, dtype="<u8") if self.write_hashes else None
+        return read_offsets, read_slots, write_offsets, write_slots, write_first, hashes
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(request_ids, offsets, tokens, start_pos, flags) as read-only views, validated."""
@@ -252,6 +260,7 @@ class BatchResult(msgspec.Struct, tag=True, array_like=True):
     embed_dim: int = 0
     prompt_top_k_ids: bytes = b""
     prompt_top_k_logprobs: bytes = b""
+    loaded_tokens: bytes = b""  # int32[n], per chunk: tokens loaded from the store (b"": none)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = len(self.request_ids) // 8

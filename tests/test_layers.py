@@ -18,8 +18,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aioprefill"
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["errors", "optional", "checks", "histogram", "timer", "shm"]),
     ("file formats", ["hf", "tokenizer", "tokenizer_gguf", "tokenizer_chunks"]),
-    ("specs", ["models", "parallel", "text", "transfer.options", "transfer.backend", "config"]),
-    ("wire", ["protocol", "kv", "transfer"]),
+    (
+        "specs",
+        [
+            *("models", "parallel", "text", "transfer.options", "transfer.backend"),
+            *("kvstore.options", "kvstore.backend", "config"),
+        ],
+    ),
+    ("wire", ["protocol", "kv", "transfer", "kvstore"]),
     ("worker process", ["workers"]),
     (
         "engine parts",

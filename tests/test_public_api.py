@@ -19,6 +19,7 @@ def test_public_names_are_pinned():
             "InvalidRequest",
             "InvalidRequestType",
             "KVExportClosed",
+            "KVStoreOptions",
             "PaddleModel",
             "PrefillResult",
             "ProtocolError",

@@ -99,6 +99,7 @@ class WorkerHandle:
             parallel=parallel or ParallelInfo(),
             prefix_cache_bytes=config.prefix_cache_bytes,
             block_tokens=config.prefix_block_tokens,
+            kv_store=config.kv_store_options if config.kv_store else None,
         )
         self._method = start_method_for(config)
 

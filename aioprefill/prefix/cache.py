@@ -40,6 +40,7 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
 
     queried_tokens: int = 0  # prompt tokens of every prompt with a full block, at each lookup
     hit_tokens: int = 0  # of those, read from the cache (piggyback reads included)
+    store_hit_tokens: int = 0  # not in hit_tokens: loaded from the KV store (kv_store) instead
     blocks: int = 0
     bytes: int = 0
     evictions: int = 0
@@ -71,6 +72,7 @@ class PrefixCache:
         self.observer = observer
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.store_hit_tokens = 0  # the workers report them in their answers (Outcomes)
         self.evictions = 0
 
     def hashes(self, tokens: bytes, salt: str | None) -> list[int] | None:
@@ -146,6 +148,7 @@ class PrefixCache:
         return PrefixCacheStats(
             queried_tokens=self.queried_tokens,
             hit_tokens=self.hit_tokens,
+            store_hit_tokens=self.store_hit_tokens,
             blocks=sum(len(ix) for ix in self.indexes),
             bytes=sum(len(ix) * ix.block_bytes for ix in self.indexes),
             evictions=self.evictions,

@@ -66,6 +66,7 @@ class BatchPlan:
         "waits",
         "write_counts",
         "write_first",
+        "write_hashes",
         "write_slots",
         "written",
     )
@@ -88,6 +89,7 @@ class BatchPlan:
         self.write_counts: list[int] = []
         self.write_slots: list[int] = []
         self.write_first: list[int] = []
+        self.write_hashes: list[int] = []  # the written blocks' hashes, parallel to write_slots
         self.pins: list[int] = []  # every pin this batch took, in order
         self.new: list[int] = []  # slots it writes
         self.written: list[tuple[Request, int, int]] = []  # (request, first block, count)
@@ -174,15 +176,16 @@ class BatchPlan:
             pins.extend(taken)
             self.new.extend(taken)
             self.write_slots.extend(taken)
+            self.write_hashes.extend(run[:count])
         self.write_counts.append(count)
         self.write_first.append(first)
         if count:
             self.written.append((req, first, count))
         return Chunk(req, start, end, cached)
 
-    def columns(self) -> tuple[bytes, bytes, bytes, bytes, bytes] | None:
-        """(read_offsets, read_slots, write_offsets, write_slots, write_first) for the
-        `PrefillBatch`, or None when the batch neither reads nor writes a block."""
+    def columns(self) -> tuple[bytes, ...] | None:
+        """(read_offsets, read_slots, write_offsets, write_slots, write_first, write_hashes)
+        for the `PrefillBatch`, or None when the batch neither reads nor writes a block."""
         if not self.read_slots and not self.write_slots:
             return None
         return (
@@ -191,6 +194,7 @@ class BatchPlan:
             _offsets(self.write_counts),
             _int32(self.write_slots),
             _int32(self.write_first),
+            struct.pack(f"<{len(self.write_hashes)}Q", *self.write_hashes),
         )
 
     def commit(self) -> Pins | None:

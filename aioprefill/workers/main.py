@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import select
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +40,7 @@ from aioprefill.shm import spill
 from aioprefill.shm.channel import Channel
 from aioprefill.workers.group import EXIT_GROUP_BROKEN, CollectiveError
 from aioprefill.workers.runner import ForwardBatch, ModelRunner
+from aioprefill.workers.store_hook import StoreHook, make_hook
 
 __all__ = ["make_runner", "worker_main"]
 
@@ -128,6 +132,7 @@ def worker_main(spec_bytes: bytes, to_fds: tuple[int, int], from_fds: tuple[int,
 def _serve(spec: protocol.WorkerSpec, inbox: Channel, outbox: Channel, started_ns: int) -> None:
     try:
         runner = make_runner(spec)
+        hook = make_hook(spec, runner)  # the KV store tier (None: no kv_store)
     except Exception as exc:  # report why, then exit: the engine raises WorkerStartFailed
         msg = StartFailed(worker=spec.worker, error_type=type(exc).__name__, message=str(exc))
         outbox.send_blocking(protocol.encode(msg), timeout=5.0)
@@ -143,11 +148,19 @@ def _serve(spec: protocol.WorkerSpec, inbox: Channel, outbox: Channel, started_n
         block_bytes=getattr(runner, "block_bytes", 0),
     )
     outbox.send_blocking(protocol.encode(ready))
-    _serve_batches(spec, runner, inbox, outbox)
+    try:
+        _serve_batches(spec, runner, hook, inbox, outbox)
+    finally:
+        if hook is not None:
+            hook.close()
 
 
 def _serve_batches(
-    spec: protocol.WorkerSpec, runner: ModelRunner, inbox: Channel, outbox: Channel
+    spec: protocol.WorkerSpec,
+    runner: ModelRunner,
+    hook: StoreHook | None,
+    inbox: Channel,
+    outbox: Channel,
 ) -> None:
     poller = select.poll()
     data_fd = inbox.fds()[0]
@@ -177,7 +190,7 @@ def _serve_batches(
                     inbox.release()
                 if isinstance(msg, Shutdown):
                     return
-                answer: BatchResult | BatchDone | BatchFailed = _run_batch(runner, msg)
+                answer: BatchResult | BatchDone | BatchFailed = _run_batch(runner, hook, msg)
                 if acknowledge_only and isinstance(answer, BatchResult):
                     answer = BatchDone(
                         answer.batch_id, answer.forward_start_ns, answer.forward_end_ns
@@ -193,12 +206,16 @@ def _serve_batches(
                         outbox.send_blocking(reply)
                 finally:
                     reply.release()  # out_buffer may grow for the next reply
+                if hook is not None:  # after the answer: off the caller's time to first token
+                    _guarded(hook.put_written, None)
     finally:
         if engine_fd >= 0:
             os.close(engine_fd)
 
 
-def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFailed:
+def _run_batch(
+    runner: ModelRunner, hook: StoreHook | None, msg: PrefillBatch
+) -> BatchResult | BatchFailed:
     # The forward starts when the worker holds the decoded batch: turning it into model inputs
     # (checks, arrays, tensors) is the forward's work, and the bubble is the time before it.
     start_ns = time.monotonic_ns()
@@ -219,8 +236,14 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
             kv_names=kv_names,
             **({} if cache is None else dict(zip(_CACHE_FIELDS, cache, strict=True))),
         )
+        loaded = None
+        if hook is not None:
+            batch, loaded = _guarded(hook.before, (batch, None), batch)
+        forward_ns = time.monotonic_ns()
         out = runner.forward(batch)
         end_ns = time.monotonic_ns()
+        if hook is not None:  # its blocks are offered once the answer is sent
+            hook.finished(batch, (end_ns - forward_ns) / 1e9)
     except CollectiveError:
         raise  # not this batch's fault: the group broke
     except Exception as exc:
@@ -249,10 +272,23 @@ def _run_batch(runner: ModelRunner, msg: PrefillBatch) -> BatchResult | BatchFai
         embed_dim=int(out.embeddings.shape[1]) if out.embeddings.size else 0,
         prompt_top_k_ids=_column(out.prompt_top_k_ids, "<i4"),
         prompt_top_k_logprobs=_column(out.prompt_top_k_logprobs, "<f4"),
+        loaded_tokens=b"" if loaded is None else loaded.astype("<i4").tobytes(),
     )
 
 
-_CACHE_FIELDS = ("read_offsets", "read_slots", "write_offsets", "write_slots", "write_first")
+def _guarded(step: Callable[..., Any], instead: Any, *args: Any) -> Any:
+    """A store step that must never fail a batch: on a bug, log it and go on without."""
+    try:
+        return step(*args)
+    except Exception:
+        logging.getLogger("aioprefill.kvstore").exception("KV store step failed; computing")
+        return instead
+
+
+_CACHE_FIELDS = (
+    *("read_offsets", "read_slots", "write_offsets", "write_slots", "write_first"),
+    "write_hashes",
+)
 
 
 def _column(array: np.ndarray, dtype: str) -> bytes:

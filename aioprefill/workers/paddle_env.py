@@ -11,19 +11,32 @@ Two measured problems, on the 2-vCPU AMD EPYC build machine:
   activation of every op is page-faulted in again: an element-wise op on an 8 MiB tensor took
   4.4 ms instead of 0.4 ms. Raising the mmap and trim thresholds keeps freed memory in the heap
   for reuse; the cost is that the worker's resident memory stays at its high-water mark.
+
+Which library a CPU worker multiplies with is `cpu_gemm()`: MKL (Paddle's own matmul) unless
+`AIOPREFILL_CPU_GEMM` says `onednn` (oneDNN's sgemm, which the wheel also ships; see
+`paddle_gemm`) or `auto` (oneDNN on an AMD CPU with AVX-512, MKL elsewhere). MKL stays the
+default: on this project's Zen 4 build machine oneDNN was no faster per CPU-second on full
+batches and 10-20% slower on a lone short request (docs/perf-ctranslate2.md).
+`library_versions()` records both libraries' versions for benchmarks without importing paddle.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import os
+from pathlib import Path
 
 __all__ = [
+    "CPU_GEMM_ENV",
     "configure_math_libraries",
+    "cpu_gemm",
     "cpu_has_avx512f",
     "is_amd_cpu",
     "keep_freed_memory",
+    "library_versions",
+    "paddle_libs",
     "quiet_native_logs",
 ]
 
@@ -84,3 +97,67 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES) == 1
     return mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES) == 1 and ok
+
+
+CPU_GEMM_ENV = "AIOPREFILL_CPU_GEMM"
+_CPU_GEMMS = ("onednn", "mkl")
+
+
+def cpu_gemm() -> str:
+    """How a CPU worker multiplies matrices (`paddle_gemm`): `onednn` or `mkl` (Paddle's own
+    matmul), from `AIOPREFILL_CPU_GEMM`; unset: `mkl`; `auto`: oneDNN on AMD CPUs with AVX-512,
+    where MKL runs AVX2 kernels at best, MKL elsewhere (on Intel it has its own AVX-512
+    kernels)."""
+    name = os.environ.get(CPU_GEMM_ENV, "mkl").strip().lower() or "mkl"
+    if name == "auto":
+        return "onednn" if is_amd_cpu() and cpu_has_avx512f() else "mkl"
+    if name not in _CPU_GEMMS:
+        raise ValueError(
+            f"{CPU_GEMM_ENV}={name!r}: expected auto or one of {', '.join(_CPU_GEMMS)}"
+        )
+    return name
+
+
+def paddle_libs() -> Path | None:
+    """The folder of native libraries in Paddle's wheel (found without importing paddle)."""
+    spec = importlib.util.find_spec("paddle")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "libs"
+
+
+class _DnnlVersion(ctypes.Structure):
+    _fields_ = [
+        ("major", ctypes.c_int),
+        ("minor", ctypes.c_int),
+        ("patch", ctypes.c_int),
+        ("hash", ctypes.c_char_p),
+        ("cpu_runtime", ctypes.c_uint),
+        ("gpu_runtime", ctypes.c_uint),
+    ]
+
+
+def library_versions() -> dict[str, str]:
+    """Which product path a CPU worker takes here and the libraries' versions (no paddle
+    import: for benchmarks' records)."""
+    out = {"cpu_gemm": cpu_gemm()}
+    libs = paddle_libs()
+    if libs is None:
+        return out
+    try:
+        dnnl = ctypes.CDLL(str(libs / "libdnnl.so.3"))
+        dnnl.dnnl_version.restype = ctypes.POINTER(_DnnlVersion)
+        v = dnnl.dnnl_version().contents
+        out["onednn"] = f"{v.major}.{v.minor}.{v.patch}"
+    except (OSError, AttributeError):
+        pass
+    try:  # MKL needs its OpenMP runtime's symbols in the global scope
+        ctypes.CDLL(str(libs / "libiomp5.so"), mode=ctypes.RTLD_GLOBAL)
+        mkl = ctypes.CDLL(str(libs / "libmklml_intel.so"))
+        buf = ctypes.create_string_buffer(256)
+        mkl.MKL_Get_Version_String(buf, len(buf))
+        out["mkl"] = buf.value.decode(errors="replace").strip()
+    except (OSError, AttributeError):
+        pass
+    out["mkl_debug_cpu_type"] = os.environ.get("MKL_DEBUG_CPU_TYPE", "")
+    return out

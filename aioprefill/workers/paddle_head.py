@@ -21,6 +21,7 @@ fixed tiles of `tile_rows` rows, so no shape depends on the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -34,8 +35,10 @@ from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 __all__ = ["Cached", "OutputHead", "Prefixes", "host"]
 
 # Prompt log-probabilities run the head over many rows: at most this many at a time (without
-# deterministic tiles), so a long prompt's [rows, vocab] logits stay ~64 MB.
-_MAX_ROWS = 512
+# deterministic tiles). 128 rows of SmolLM2's 49152 logits (25 MB) stay in cache for the
+# log-softmax's passes: scoring 2048 rows took 2.04 s against 2.51 s in tiles of 512 (1 thread,
+# oneDNN; the product itself gets slower below ~128 rows: benchmarks/bench_gemm.py).
+_MAX_ROWS = 128
 _EMBED = protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN
 
 
@@ -83,15 +86,18 @@ class OutputHead:
         rms_norm: RmsNorm,
         tile_rows: int | None,
         shard: Shard | None = None,
+        product: Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor] | None = None,
     ) -> None:
         """`rms_norm`: the final norm's kernel (`paddle_norm.rms_norm_for`). `shard`: under
         tensor parallelism `lm_head` is this rank's vocabulary slice, and each tile's per-row
-        results are joined across the ranks (`Shard.head_rows`)."""
+        results are joined across the ranks (`Shard.head_rows`). `product(x, w)` is x @ w.T
+        (`paddle_gemm.Products.product`; default Paddle's matmul)."""
         self._lm_head = lm_head
         self._shard = shard if shard is not None and shard.tp_size > 1 else None
         self._norm = norm
         self._eps = eps
         self._rms_norm = rms_norm
+        self._product = product or _matmul_t
         self._tile = tile_rows  # deterministic: fixed tiles of this many rows
         self._carry: dict[int, paddle.Tensor] = {}  # rid -> last row's hidden state [1, hidden]
         self._sums: dict[int, np.ndarray] = {}  # rid -> float64 sum of final-norm rows so far
@@ -288,7 +294,7 @@ class OutputHead:
         normed, parts = [], []
         for lo in range(0, padded, tile):
             hn = self._rms_norm(h[lo : lo + tile], self._norm, self._eps)
-            logits = paddle.matmul(hn, self._lm_head, transpose_y=True).astype("float32")
+            logits = self._product(hn, self._lm_head).astype("float32")
             t = None if targets is None else targets[lo : lo + tile]
             if self._shard is None:
                 parts.append(_log_softmax_rows(logits, kmax, t))
@@ -301,6 +307,10 @@ class OutputHead:
         ]
         h_out = np.concatenate(normed)[:rows] if normed else None
         return h_out, _Rows(*joined)  # type: ignore[arg-type]
+
+
+def _matmul_t(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    return paddle.matmul(x, w, transpose_y=True)
 
 
 def _log_softmax_rows(logits: paddle.Tensor, kmax: int, targets: np.ndarray | None) -> _Rows:

@@ -59,6 +59,7 @@ from aioprefill.parallel import ParallelMode  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
+from aioprefill.workers.paddle_gemm import Products  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle_norm import rms_norm_for  # noqa: E402
 from aioprefill.workers.paddle_prefix import PrefixForward, keep_tail  # noqa: E402
@@ -135,6 +136,10 @@ class PaddleRunner:
         self._embed, self._layers = weights.embed, weights.layers
         self._cache: dict[int, KVCache] = {}
         self._deterministic = spec.deterministic
+        # the matrix products: oneDNN on a CPU (paddle_gemm), fixed row tiles if deterministic
+        self._mm = Products(
+            self.device, spec.num_threads, _TILE_ROWS if self._deterministic else None
+        )
         tile = _HEAD_TILE_ROWS if spec.deterministic else None
         self._outputs = OutputHead(
             weights.lm_head,
@@ -143,6 +148,7 @@ class PaddleRunner:
             rms_norm=self._rms_norm,
             tile_rows=tile,
             shard=self._shard,
+            product=self._mm.product,
         )
         self._kv_share = self._shard.kv_share()  # parallel: this rank's KV heads of an export
         shape = {
@@ -155,6 +161,7 @@ class PaddleRunner:
         self.block_bytes = BlockStore.block_bytes(**shape)
         self.cache_blocks = max(0, prefix_cache_bytes) // self.block_bytes
         self._store = BlockStore(self.cache_blocks, **shape) if self.cache_blocks else None
+        self.cache_slots = self._store  # what the KV store tier loads into (workers.store_hook)
         self._exports = KVWriters()  # KV exports the running forward writes
 
     # ------------------------------------------------------------------ public interface
@@ -232,17 +239,11 @@ class PaddleRunner:
 
     def _linear(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
         """x @ w.T; deterministic: in tiles of _TILE_ROWS rows (x's rows are a multiple of it)."""
-        if not self._deterministic or x.shape[0] == _TILE_ROWS:
-            return paddle.matmul(x, w, transpose_y=True)
-        tiles = paddle.split(x, x.shape[0] // _TILE_ROWS)
-        return paddle.concat([paddle.matmul(t, w, transpose_y=True) for t in tiles])
+        return self._mm.linear(x, w)
 
     def _project(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
         """[rows, hidden] x [heads, hidden, dim] -> [heads, rows, dim]; tiled like `_linear`."""
-        if not self._deterministic or x.shape[0] == _TILE_ROWS:
-            return paddle.matmul(x.unsqueeze(0), w)
-        tiles = paddle.split(x, x.shape[0] // _TILE_ROWS)
-        return paddle.concat([paddle.matmul(t.unsqueeze(0), w) for t in tiles], axis=1)
+        return self._mm.project(x, w)
 
     def _padded(self, rows: int, tile: int) -> int:
         return -(-rows // tile) * tile if self._deterministic else rows

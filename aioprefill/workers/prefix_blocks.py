@@ -83,6 +83,25 @@ class BlockStore:
         per_position = 2 * num_layers * kv_heads * head_dim + hidden_size + 2 + 2 * SCORED_TOP_K
         return 4 * block_tokens * per_position + 2
 
+    def slot_arrays(self, slot: int) -> list[np.ndarray]:
+        """One slot's every array (views), in a fixed order: what the KV store keeps of it
+        (`aioprefill.kvstore`; their bytes add up to `block_bytes`)."""
+        return [
+            *(self.keys[:, :, slot], self.values[:, :, slot], self.hidden[slot], self.tokens[slot]),
+            *(self.logprobs[slot], self.top_ids[slot], self.top_logprobs[slot]),
+            self.scored[slot : slot + 1],
+        ]
+
+    def loaded(self, slot: int) -> None:
+        """`slot_arrays(slot)` were filled from the KV store (checked): it holds its block."""
+        self.ready[slot] = True
+
+    def layout(self) -> str:
+        """Names the slot's byte layout (store keys: blocks of other layouts never mix)."""
+        layers, heads, _, b, dim = self.keys.shape
+        hidden = self.hidden.shape[-1]
+        return f"paddle-slot-v1 L{layers} kv{heads}x{dim} h{hidden} B{b} top{SCORED_TOP_K}"
+
     def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One layer's keys and values of `slots`, in order: `[kv_heads, n * B, head_dim]`."""
         k, v = self.keys[layer][:, slots], self.values[layer][:, slots]

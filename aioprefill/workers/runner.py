@@ -57,6 +57,7 @@ class ForwardBatch:
     write_offsets: np.ndarray | None = None  # int32[n+1] into write_slots
     write_slots: np.ndarray | None = None  # int32
     write_first: np.ndarray | None = None  # int32[n]: prompt block held by the first write slot
+    write_hashes: np.ndarray | None = None  # uint64, the written blocks' hashes (store keys)
 
     @property
     def size(self) -> int:

@@ -173,7 +173,7 @@ class SimRunner:
         self.block_tokens = block_tokens
         self.block_bytes = block_tokens * spec.kv_bytes_per_token
         self.cache_blocks = cache_bytes // self.block_bytes
-        self._blocks = SimBlocks(self.cache_blocks, block_tokens)
+        self._blocks = self.cache_slots = SimBlocks(self.cache_blocks, block_tokens)
         # A tensor-parallel rank > 0 leaves KV exports to rank 0: the values are the same, and
         # two ranks creating one segment race (one may map it before the other has sized it).
         self.writes_kv = writes_kv

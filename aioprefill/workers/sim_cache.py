@@ -26,6 +26,18 @@ class SimBlocks:
         self.crc = np.empty(num_blocks, dtype=np.uint32)
         self.valid = np.zeros(num_blocks, dtype=bool)
 
+    def slot_arrays(self, slot: int) -> list[np.ndarray]:
+        """One slot's arrays as the KV store keeps them (`aioprefill.kvstore`; the store pads
+        them to the slot's nominal bytes, a real model's KV for the block)."""
+        return [self.tokens[slot], self.crc[slot : slot + 1]]
+
+    def layout(self) -> str:
+        return f"sim-slot-v1 B{self.tokens.shape[1]}"
+
+    def loaded(self, slot: int) -> None:
+        """`slot_arrays(slot)` were filled from the KV store: the slot holds its block."""
+        self.valid[slot] = True
+
     def read(self, slots: np.ndarray) -> tuple[np.ndarray, int]:
         """(the blocks' tokens back to back, the CRC32 after the last)."""
         if not self.valid[slots].all():

@@ -53,9 +53,11 @@ def test_a_second_prompt_reads_the_blocks_the_first_wrote():
     chunks, columns, pins = run(cache, slots, [first])
     assert [(c.start, c.end, c.cached) for c in chunks] == [(0, 10, 0)]
     read_off, _read_slots, write_off, write_slots, write_first = (
-        np.frombuffer(col, "<i4") for col in columns
+        np.frombuffer(col, "<i4") for col in columns[:5]
     )
     assert list(read_off) == [0, 0] and list(write_off) == [0, 2] and list(write_first) == [0]
+    # the written blocks' hashes ride beside their slots (store keys)
+    assert list(np.frombuffer(columns[5], "<u8")) == first.hashes[:2]
     cache.release(pins)
     again = request(2, list(range(10)), cache)
     chunks, columns, pins = run(cache, slots, [again])
@@ -81,7 +83,7 @@ def test_piggyback_a_later_request_of_the_same_batch_reads_what_an_earlier_one_w
     budget = Budget(max_batch_tokens=15 + 3 + 3, max_batch_size=100)  # uncached tokens only
     chunks, columns, _ = run(cache, slots, reqs, budget=budget)
     assert [(c.start, c.cached) for c in chunks] == [(0, 0), (12, 12), (12, 12)]
-    read_off, read_slots, write_off, write_slots, _ = (np.frombuffer(c, "<i4") for c in columns)
+    read_off, read_slots, write_off, write_slots, _ = (np.frombuffer(c, "<i4") for c in columns[:5])
     assert list(read_off) == [0, 0, 3, 6]
     assert list(read_slots) == list(write_slots[:3]) * 2  # the first one's slots
     assert list(write_off) == [0, 3, 3, 3]  # block 3 of each is not full: nothing more

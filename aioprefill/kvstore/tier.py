@@ -1,0 +1,126 @@
+"""`StoreTier`: the Mooncake Store behind one worker's (one rank's) prefix cache, as the worker
+sees it: `offer` the blocks it wrote (put in the background), `load` chains into its slots
+(checked, within a deadline), `load_pays` (the cost rule, on measured costs), `stats`.
+
+Memory, allocated once here: the put buffer and the load buffer (`KVStoreOptions`), both
+registered with the client so puts and gets are zero-copy; plus the segment the client lends
+to the store. Threads: "kvstore-put" (connects, reconnects, puts) and "kvstore-load".
+Nothing here raises for a store fault: the worker computes instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from aioprefill.kvstore.cost import ForwardClock, ReadClock
+from aioprefill.kvstore.identity import StoreIdentity
+from aioprefill.kvstore.link import StoreLink
+from aioprefill.kvstore.loads import Chain, Loader
+from aioprefill.kvstore.options import KVStoreOptions
+from aioprefill.kvstore.puts import PutQueue
+from aioprefill.kvstore.stats import StoreStats
+from aioprefill.kvstore.value import ValueCodec
+
+__all__ = ["StoreTier"]
+
+# When the cost rule keeps refusing, every this-many-th batch loads anyway, so that the
+# measured read cost follows the store.
+_PROBE_EVERY = 64
+
+
+class StoreTier:
+    """The store tier of one worker. `payload_bytes`: one cache slot's bytes (what a block
+    store's `parts` for one block add up to). `seconds_per_token`: the first guess of the
+    worker's compute time per token, refined by `record_forward`."""
+
+    def __init__(
+        self,
+        options: KVStoreOptions,
+        identity: StoreIdentity,
+        payload_bytes: int,
+        seconds_per_token: float = 1e-3,
+    ) -> None:
+        self.options = options
+        self.identity = identity
+        self.codec = ValueCodec(
+            identity.digest, identity.block_tokens, payload_bytes, options.secret
+        )
+        self.stats = StoreStats()
+        self.clock = ForwardClock(seconds_per_token)
+        per_block = self.codec.value_bytes / options.read_bytes_per_s
+        self.reads = ReadClock(options.read_latency_s, per_block)
+        put_buf = np.zeros(options.put_buffer_bytes, dtype=np.uint8)
+        load_buf = np.zeros(options.load_buffer_bytes, dtype=np.uint8)
+        self.link = StoreLink(options, [put_buf, load_buf])
+        self.puts = PutQueue(self.link, identity, self.codec, put_buf, self.stats)
+        self.loader = Loader(self.link, identity, self.codec, load_buf, self.stats)
+        self.started = False
+        self.refused = 0  # batches in a row whose loads the rule refused
+
+    @property
+    def value_bytes(self) -> int:
+        return self.codec.value_bytes
+
+    def start(self) -> None:
+        """Start both threads; the put thread connects in the background (`is_up`)."""
+        self.puts.start()
+        self.loader.start()
+        self.started = True
+
+    def is_up(self) -> bool:
+        return self.link.up.is_set()
+
+    def wait_up(self, timeout: float) -> bool:
+        """Block until the link is up (tests and benchmarks; the worker never waits)."""
+        return self.link.up.wait(timeout)
+
+    def offer(self, block_hash: int, tokens: np.ndarray, parts: Sequence[Any]) -> bool:
+        """Stage a written block for a put (copied now); False when it will not be put."""
+        return self.puts.offer(block_hash, tokens, parts)
+
+    def load_pays(self, num_blocks: int) -> bool:
+        """The cost rule (`kvstore.cost`) for a chain of `num_blocks`, with this worker's own
+        measured read cost (`reads`) and compute cost per token (`clock`)."""
+        if num_blocks <= 0:
+            return False
+        read = self.reads.latency() + num_blocks * self.reads.per_block()
+        return read < num_blocks * self.identity.block_tokens * self.clock.seconds_per_token
+
+    def load(
+        self, chains: Sequence[Chain], sink: Callable[[int, int, memoryview], None]
+    ) -> list[int]:
+        """For each chain that the cost rule says is worth reading, load its longest good
+        prefix (all chains in one call, `loader.capacity` blocks at most); `sink(c, i,
+        payload)` copies block i of chain c into its slot. Returns, per chain, how many blocks
+        were handed over; the caller computes the rest. The call's time teaches `reads`."""
+        asked = [chain if self.load_pays(len(chain)) else chain[:0] for chain in chains]
+        if any(asked):
+            self.refused = 0
+        else:
+            self.stats.loads_skipped += 1
+            self.refused += 1
+            if self.refused % _PROBE_EVERY:
+                return [0] * len(chains)
+            asked = list(chains)  # now and then anyway: a refused load teaches nothing
+        calls, timeouts = self.stats.loads, self.stats.load_timeouts
+        start = time.perf_counter()
+        got = self.loader.load(asked, sink)
+        if self.stats.loads > calls and self.stats.load_timeouts == timeouts:
+            self.reads.record(time.perf_counter() - start, sum(got))
+        return got
+
+    def record_forward(self, seconds: float, computed_tokens: int) -> None:
+        self.clock.record(seconds, computed_tokens)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop both threads; unmount the segment (~2 s) once neither is inside a store call
+        and the master answers (unmounting from a dead master retries for many seconds: the
+        process's exit ends the client instead, and the master forgets it after its TTL)."""
+        puts_done = self.puts.close(timeout)
+        loads_done = self.loader.close(timeout)
+        if puts_done and loads_done and self.link.up.is_set():
+            self.link.close()

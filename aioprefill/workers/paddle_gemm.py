@@ -1,0 +1,155 @@
+"""`Products`: the matrix products of a worker's forward, on the CPU through oneDNN's sgemm.
+
+Paddle's CPU wheel multiplies matrices with Intel MKL, which on AMD processors runs its AVX2
+kernels at best (`paddle_env`). The same wheel ships oneDNN (`paddle/libs/libdnnl.so.3`, for its
+static-graph kernels), whose `dnnl_sgemm` picks kernels by the CPU's instruction set (AVX-512
+where there is one) on any vendor: the routine CTranslate2 multiplies with by default. Paddle's
+eager `matmul` never reaches it (`FLAGS_use_mkldnn` changes nothing there: measured), so a CPU
+worker calls it through ctypes on the tensors' memory, into an output Paddle allocated. Both
+libraries run on the wheel's one OpenMP runtime (libiomp5: oneDNN's GNU OpenMP calls bind to it),
+so they share one thread pool. Measured on an AMD EPYC Zen 4 (whose AVX-512 units are 256 bits
+wide: AVX2 and AVX-512 have the same peak), 1 thread: oneDNN 0.9-1.2x MKL from ~280 rows up,
+0.5-1.0x below 64 rows; CTranslate2 ran 1.2-1.3x faster on oneDNN than on its MKL here, 2x on
+the machine issue 25 was measured on (docs/perf-ctranslate2.md).
+
+Exactness: float32 in, out and accumulated, as MKL; the two differ by float32 rounding only
+(~5e-6 on unit-scale products). Where MKL has its own AVX-512 kernels (Intel) or there is no
+AVX-512, or with `AIOPREFILL_CPU_GEMM=mkl` (read when a worker starts: `paddle_env.cpu_gemm`),
+the worker keeps Paddle's own `matmul`, as it does on a GPU, for a dtype other than float32, or
+with a wheel without the library.
+
+Batch invariance: with `tile_rows` (`deterministic=True`) `linear` and `project` multiply fixed
+tiles of that many rows, each written in place into the output (no split, no concat), so no
+product's shape depends on the batch; without it a row's result may move by float32 rounding
+with the product's row count (within the tests' 1e-5).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import paddle
+
+from aioprefill.workers.paddle_env import cpu_gemm, paddle_libs
+
+__all__ = ["Products"]
+
+_FLOAT = 4  # bytes
+
+
+@functools.cache
+def _load_sgemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """oneDNN's row-major `dnnl_sgemm` from Paddle's wheel, or None where there is none.
+    Called after paddle loaded the library, so its OpenMP calls are bound as Paddle's are."""
+    libs = paddle_libs()
+    if libs is None or not (libs / "libdnnl.so.3").exists():
+        return None
+    try:
+        fn = ctypes.CDLL(str(libs / "libdnnl.so.3")).dnnl_sgemm
+    except (OSError, AttributeError):
+        return None
+    size, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    fn.restype = ctypes.c_int
+    # transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc
+    fn.argtypes = [ctypes.c_char, ctypes.c_char, size, size, size, f32, ptr, size, ptr, size]
+    fn.argtypes += [f32, ptr, size]
+    return fn
+
+
+def _set_openmp_threads(threads: int) -> None:
+    """The OpenMP runtime's thread count (oneDNN asks it; Paddle sets MKL's own count)."""
+    libs = paddle_libs()
+    for name in (str(libs / "libiomp5.so") if libs else None, "libgomp.so.1"):
+        if name is None:
+            continue
+        try:
+            ctypes.CDLL(name).omp_set_num_threads(threads)
+        except (OSError, AttributeError):
+            continue
+
+
+class Products:
+    """`linear` (x @ w.T), `project` (x times per-head weights) and `product` (x @ w.T, never
+    tiled) for one worker: oneDNN on a float32 CPU, else Paddle's `matmul`."""
+
+    def __init__(self, device: str, threads: int, tile_rows: int | None) -> None:
+        onednn = device == "cpu" and cpu_gemm() == "onednn"
+        self._sgemm = _load_sgemm() if onednn else None
+        if self._sgemm is not None:
+            _set_openmp_threads(threads)
+        self._tile = tile_rows
+
+    @property
+    def uses_onednn(self) -> bool:
+        return self._sgemm is not None
+
+    def _fast(self, x: paddle.Tensor, w: paddle.Tensor) -> bool:
+        return self._sgemm is not None and x.dtype == paddle.float32 and w.dtype == paddle.float32
+
+    def product(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """[rows, k] x [n, k] -> [rows, n] = x @ w.T, as one product."""
+        if not self._fast(x, w):
+            return paddle.matmul(x, w, transpose_y=True)
+        return self._xwt(x, w, x.shape[0])
+
+    def linear(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """x @ w.T; with tiles, `tile_rows` rows at a time (x's rows are a multiple of it)."""
+        tile = self._tile
+        if not self._fast(x, w):
+            if tile is None or x.shape[0] == tile:
+                return paddle.matmul(x, w, transpose_y=True)
+            parts = paddle.split(x, x.shape[0] // tile)
+            return paddle.concat([paddle.matmul(t, w, transpose_y=True) for t in parts])
+        return self._xwt(x, w, tile or x.shape[0])
+
+    def project(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """[rows, hidden] x [heads, hidden, dim] -> [heads, rows, dim]; tiled like `linear`."""
+        tile = self._tile
+        if not self._fast(x, w):
+            if tile is None or x.shape[0] == tile:
+                return paddle.matmul(x.unsqueeze(0), w)
+            parts = paddle.split(x, x.shape[0] // tile)
+            return paddle.concat([paddle.matmul(t.unsqueeze(0), w) for t in parts], axis=1)
+        x, w = _contiguous(x), _contiguous(w)
+        rows, k = x.shape
+        heads, _, dim = w.shape
+        out = paddle.empty([heads, rows, dim], dtype=x.dtype)
+        if rows == 0:
+            return out
+        step = tile or rows
+        sgemm, xp, wp, op = self._sgemm, x.data_ptr(), w.data_ptr(), out.data_ptr()
+        assert sgemm is not None
+        # One product per head writes its [rows, dim] block of the output in place: the
+        # heads-major layout attention reads, with no transpose.
+        for h in range(heads):
+            for lo in range(0, rows, step):
+                c = op + (h * rows + lo) * dim * _FLOAT
+                a = xp + lo * k * _FLOAT
+                b = wp + h * k * dim * _FLOAT
+                _check(sgemm(b"N", b"N", step, dim, k, 1.0, a, k, b, dim, 0.0, c, dim))
+        return out
+
+    def _xwt(self, x: paddle.Tensor, w: paddle.Tensor, step: int) -> paddle.Tensor:
+        x, w = _contiguous(x), _contiguous(w)
+        rows, k = x.shape
+        n = w.shape[0]
+        out = paddle.empty([rows, n], dtype=x.dtype)
+        if rows == 0:
+            return out
+        sgemm, xp, wp, op = self._sgemm, x.data_ptr(), w.data_ptr(), out.data_ptr()
+        assert sgemm is not None
+        for lo in range(0, rows, step):
+            m = min(step, rows - lo)
+            a, c = xp + lo * k * _FLOAT, op + lo * n * _FLOAT
+            _check(sgemm(b"N", b"T", m, n, k, 1.0, a, k, wp, k, 0.0, c, n))
+        return out
+
+
+def _contiguous(t: paddle.Tensor) -> paddle.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise RuntimeError(f"dnnl_sgemm failed with status {status}")

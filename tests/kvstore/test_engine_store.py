@@ -1,0 +1,177 @@
+"""The store tier through whole engines (SimModel workers, real processes, a real master):
+what one node computed, another node reads instead of computing it, with the whole prompt's
+outputs; blocks a node's local cache evicted come back from the store; killing the master
+mid-run fails no request and changes no answer."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aioprefill import Engine, EngineConfig, PaddleModel, SimModel
+from aioprefill.kvstore.backend import load_store
+from aioprefill.kvstore.master import LocalMaster
+from aioprefill.prefix.hashing import block_hashes
+from aioprefill.scheduler import Scheduler
+from aioprefill.workers.prefix_blocks import BlockStore
+from aioprefill.workers.sim import expected_token, sim_embedding, sim_prompt_logprobs
+from aioprefill.workers.sim_cache import SimBlocks
+from aioprefill.workers.store_hook import identity_for
+from tests.kvstore.util import need_store, options
+
+need_store()
+pytestmark = pytest.mark.asyncio
+
+B = 16
+KV = 64  # SimModel.kv_bytes_per_token: a block's value is 1 KiB plus its header
+# 1 ms per computed token: a 16-token block costs 16 ms to compute, so the cost rule (on the
+# worker's measured read and forward costs) loads whatever the store holds, even on a busy VM.
+MODEL = SimModel(fixed_ms=1.0, per_token_us=1000.0, kv_bytes_per_token=KV)
+
+
+@pytest.fixture(autouse=True)
+def _check_invariants(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(Scheduler, "checking", True)
+
+
+@pytest.fixture
+def master():
+    """A fresh master per test: the same test runs on two event loops with the same prompts,
+    and blocks the first run left (in a segment not yet unmounted) must not serve the second."""
+    m = LocalMaster().start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def config(master: LocalMaster, cache_blocks: int = 64, model: object = MODEL) -> EngineConfig:
+    return EngineConfig(
+        model=model,  # type: ignore[arg-type]
+        prefix_cache_bytes=cache_blocks * B * KV if model is MODEL else 64 << 20,
+        kv_store="mooncake",
+        # (a SmolLM2 block is 759 KiB: room for a 130-token prompt's blocks)
+        kv_store_options=options(
+            master.address, put_buffer_bytes=16 << 20, load_buffer_bytes=16 << 20
+        ),
+    )
+
+
+def ids(start: int, n: int) -> list[int]:
+    return [(start + 7 * i) % 30000 for i in range(n)]
+
+
+def wait_stored(
+    master: LocalMaster, tokens: list[int], model: SimModel | PaddleModel = MODEL
+) -> None:
+    """Wait until the store holds every full block of `tokens` (puts are asynchronous)."""
+    if isinstance(model, SimModel):
+        layout = f"{SimBlocks(1, B).layout()} P{B * model.kv_bytes_per_token}"
+    else:
+        dims = (model.num_layers, model.num_kv_heads, model.head_dim, model.hidden_size)
+        store = BlockStore(1, **dict(zip(DIMS, dims, strict=True)), block_tokens=B)
+        payload = sum(a.nbytes for a in store.slot_arrays(0))
+        layout = f"{store.layout()} P{payload}"
+    identity = identity_for(model, options(master.address), B, layout)
+    hashes = block_hashes(np.asarray(tokens, dtype="<i4").tobytes(), B, None)
+    keys = [identity.key(h) for h in hashes]
+    client = _client(master.address)
+    deadline = time.monotonic() + 60
+    while not all(x == 1 for x in client.batch_is_exist(keys)):
+        assert time.monotonic() < deadline, "the blocks never reached the store"
+        time.sleep(0.05)  # waiting on another process's background puts
+
+
+@functools.cache
+def _client(address: str) -> Any:
+    """One raw client per master for the whole run (Mooncake's setup and close hold the GIL
+    for a while: not once per wait)."""
+    client = load_store()()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", address) == 0
+    return client
+
+
+DIMS = ("num_layers", "kv_heads", "head_dim", "hidden_size")
+
+
+async def test_a_second_node_reads_what_the_first_computed(master):
+    cfg = config(master)
+    cfg.max_batch_tokens = 128  # prompts longer than this run in chunks
+    async with Engine(cfg) as a, Engine(cfg) as b:
+        prompt = ids(1, 100)  # 6 full blocks; 96 tokens are cacheable, 99 at most read
+        opts = dict(prompt_logprobs=True, embed="mean")
+        first = await a.prefill(prompt, **opts)
+        assert first.cached_tokens == 0
+        await asyncio.to_thread(wait_stored, master, prompt)
+        second = await b.prefill(prompt, **opts)
+        assert second.cached_tokens == 96  # every full block loaded, the rest computed
+        assert second.token == first.token == expected_token(prompt)
+        assert second.logprob == first.logprob
+        np.testing.assert_array_equal(second.prompt_logprobs, sim_prompt_logprobs(prompt))
+        np.testing.assert_allclose(second.embedding, sim_embedding(prompt, "mean"), rtol=1e-6)
+        stats = b.stats().prefix_cache
+        assert stats.store_hit_tokens == 96 and stats.hit_tokens == 0
+        again = await b.prefill(prompt)  # now in b's own cache
+        assert again.cached_tokens == 96 and b.stats().prefix_cache.hit_tokens == 96
+        salted = await b.prefill(prompt, cache_salt="tenant-x")  # another salt: other keys
+        assert salted.cached_tokens == 0 and salted.token == first.token
+
+        # A chunked prompt loads in its first chunk: 7 of that chunk's 8 blocks (one token of
+        # every chunk is computed); the later chunks compute.
+        long = ids(3, 300)
+        first = await a.prefill(long, prompt_logprobs=True)
+        await asyncio.to_thread(wait_stored, master, long)
+        second = await b.prefill(long, prompt_logprobs=True)
+        assert second.cached_tokens == 112 and second.num_chunks == first.num_chunks
+        assert second.token == first.token
+        np.testing.assert_array_equal(second.prompt_logprobs, first.prompt_logprobs)
+
+        # Two prompts sharing a prefix in one batch: the first loads it, the other reads the
+        # slots it fills (piggyback), the same forward.
+        shared = ids(5, 64)
+        await a.prefill([*shared, 1, 2, 3])
+        await asyncio.to_thread(wait_stored, master, shared)
+        busy = asyncio.ensure_future(b.prefill(ids(9, 120)))  # x and y gather meanwhile
+        await asyncio.sleep(0)
+        x, y = await asyncio.gather(b.prefill([*shared, 4, 5]), b.prefill([*shared, 6, 7, 8]))
+        await busy
+        assert x.batch_id == y.batch_id
+        assert (x.cached_tokens, y.cached_tokens) == (64, 64)
+        assert (x.token, y.token) == (
+            expected_token([*shared, 4, 5]),
+            expected_token([*shared, 6, 7, 8]),
+        )
+
+
+async def test_killing_the_master_mid_run_fails_no_request(master):
+    m = master
+    async with Engine(config(m, cache_blocks=8)) as a, Engine(config(m, cache_blocks=8)) as b:
+        prompts = [ids(100 + i, 40 + 5 * i) for i in range(12)]
+        for p in prompts[:6]:
+            await a.prefill(p)
+            await asyncio.to_thread(wait_stored, m, p)
+        results = []
+        for round_ in range(4):
+            if round_ == 2:
+                m.kill()
+            got = await asyncio.gather(*(e.prefill(p) for p in prompts for e in (a, b)))
+            results.extend(zip([p for p in prompts for _ in (a, b)], got, strict=True))
+        for p, r in results:
+            assert r.token == expected_token(p)
+        assert b.stats().prefix_cache.store_hit_tokens > 0  # before the kill
+
+
+async def test_an_engine_whose_master_is_absent_starts_and_serves():
+    nobody = LocalMaster()  # its port, with nothing listening on it
+    async with Engine(config(nobody)) as engine:
+        prompt = ids(11, 40)
+        for _ in range(2):
+            r = await engine.prefill(prompt)
+            assert r.token == expected_token(prompt)
+        assert r.cached_tokens == 32  # the local cache works as without a store
+        assert engine.stats().prefix_cache.store_hit_tokens == 0
