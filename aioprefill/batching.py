@@ -138,6 +138,7 @@ class StagedBatch:
         "cache",
         "chunks",
         "columns",
+        "cost",
         "epoch",
         "firsts",
         "has_cancelled",
@@ -158,6 +159,7 @@ class StagedBatch:
         self.epoch = 0
         self.chunks: list[Chunk] = []
         self.firsts: set[int] = set()  # first blocks of its prompts (written by its plan)
+        self.cost = 0  # tokens it computes (what the budget counts)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -183,9 +185,12 @@ class StagedBatch:
             or (hashes[0] in self.cache.indexes[0].slot_of and hashes[0] not in self.firsts)
         ):
             return False  # its cost and its reads depend on the group: `take_batch` forms it
+        n = req.num_tokens  # its cost: what it computes (a staged request's writes read)
+        if hashes and self.plan is not None:
+            n -= self.plan.lookup(req)
         if (
             len(self.requests) >= budget.max_batch_size
-            or self.columns.num_tokens + req.num_tokens > budget.max_batch_tokens
+            or self.cost + n > budget.max_batch_tokens
             or budget.is_long(req)
         ):
             return False
@@ -203,8 +208,12 @@ class StagedBatch:
                 if plan is not None:
                     self.plan, self.epoch = plan, plan.index.epoch
                     self.chunks = [_place(plan, r) for r in self.requests[:-1]]
-        if self.plan is not None:
-            self.chunks.append(_place(self.plan, req))
+        if self.plan is None:
+            self.cost += req.num_tokens
+            return
+        c = _place(self.plan, req)
+        self.chunks.append(c)
+        self.cost += c.end - c.start
 
     def planned(
         self, fresh: BatchPlan | None
@@ -257,6 +266,7 @@ class StagedBatch:
         self.has_cancelled = False
         self.hashed = False
         self.firsts = set()
+        self.cost = 0
         return requests
 
     def refill(self, pending: deque[Request], budget: Budget) -> None:

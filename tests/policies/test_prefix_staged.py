@@ -73,3 +73,14 @@ def test_a_group_restart_voids_the_plan_made_while_staging():
     batch = h.pool.sent[-1]
     assert batch.ids == [a.request_id] and batch.cache is not None
     assert list(np.frombuffer(batch.cache[3], "<i4")) == [0, 1]  # planned again, afresh
+
+
+def test_a_staged_prompt_costs_only_what_it_does_not_read_from_an_earlier_one():
+    h = Harness("forward", cache_blocks=64, max_batch_tokens=45)
+    h.arrive(ids=[5] * 3)
+    a = h.arrive(ids=[*PREFIX, 1])  # 41 tokens
+    b = h.arrive(ids=[*PREFIX, 2])  # reads a's 40: costs 1 (42 <= 45)
+    c = h.arrive(ids=[*PREFIX, 7, 8, 9, 10, 11])  # reads 40, computes 5: 47 > 45, queued
+    assert h.sched.staged.requests == [a, b] and list(h.sched.pending) == [c]
+    h.done(0)
+    assert h.sent_ids()[-1] == [a.request_id, b.request_id]
