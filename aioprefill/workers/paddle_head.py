@@ -13,8 +13,9 @@ exponentials are summed with a float64 accumulator after shifting by the row max
 float32 CPU sum over 32000 logits lost up to ~5e-5; NumPy's float64-accumulated sum is ~1e-8
 from an exact one *and* faster (16 rows: ~0.5 ms vs ~1.2 ms; benchmarks/bench_outputs.py), so
 the CPU reads the logits zero-copy through DLPack and finishes in NumPy. A GPU keeps the logits
-on the device, sums in float64 there and moves only per-row results. Batch invariance: every reduction is per row; with `deterministic=True` the head runs on fixed
-tiles of `tile_rows` rows, so no shape depends on the batch.
+on the device, sums in float64 there and moves only per-row results. Batch invariance: every
+reduction is per row; with `deterministic=True` the head runs on fixed tiles of `tile_rows`
+rows, so no shape depends on the batch.
 """
 
 from __future__ import annotations
