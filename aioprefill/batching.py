@@ -13,9 +13,11 @@ requests dispatched once the pool has accepted it, so a full ring needs no rollb
 
 With the prefix cache, `take_batch` gets the group's `BatchPlan`: a request's first chunk costs
 only its uncached tokens in the budget (blocks the group holds, or that a request ahead of it in
-the same batch writes), and with several groups the plan may leave a request to a group that
-holds more of its prompt (`aioprefill.prefix.cache` states the rule). The staged batch is formed
-before its group is known, so it only takes prompts the cache cannot touch (no full block).
+the same batch writes), and with several groups the plan may leave a request to the group that
+holds more of its prompt, its home (`aioprefill.prefix.cache` states the rule). The staged
+batch is formed before its group is known, so with several groups it only takes prompts the
+cache cannot touch (no full block); with one group also those whose first block it does not
+hold, planning their reads and writes as they join (`StagedBatch`).
 
 Expert-parallel ranks run different batches but step together: each MoE layer exchanges tokens
 between them, so every rank must run every step, and a rank with no work gets an empty batch
@@ -32,8 +34,10 @@ from typing import TYPE_CHECKING
 
 from aioprefill.columns import Columns, make_prefill_batch
 from aioprefill.core import Budget, Chunk, Request
+from aioprefill.prefix.plan import Pins
 
 if TYPE_CHECKING:
+    from aioprefill.prefix.cache import PrefixCache
     from aioprefill.prefix.plan import BatchPlan
 
 __all__ = [
@@ -60,8 +64,7 @@ def take_batch(
     whose last chunk is in the batch leave `pending`; the others stay at their position.
     Changes no request: the caller marks the chunks sent once they are. With a `plan` (the
     group's prefix cache), a first chunk costs its uncached tokens and its reads and writes are
-    placed; requests the plan leaves to another group stay queued, unless nothing else would
-    keep this group busy.
+    placed; requests the plan leaves to their home group stay queued.
     """
     chunks: list[Chunk] = []
     kept: list[Request] = []  # requests looked at but left in the queue, in their order
@@ -114,9 +117,6 @@ def take_batch(
                 kept.remove(long_req)
     if kept:
         pending.extendleft(reversed(kept))
-    if not chunks and plan is not None and plan.deferred and plan.patient:
-        plan.patient = False  # nobody else keeps this group busy: it takes them after all
-        return take_batch(pending, worker, budget, plan)
     return chunks
 
 
@@ -127,14 +127,39 @@ class StagedBatch:
     the head of the queue in arrival order, exactly what `take_batch` would pick), with their
     wire columns ready. When a forward ends, handing it over costs O(1) Python work however
     many requests it holds: the per-request bookkeeping happens at arrival, not in the bubble.
+    With `cache` (the prefix cache of a single group: no routing to do), a prompt with full
+    blocks joins it too when that group holds none of them (`hashed`), and from the first such
+    prompt on every request's reads and writes are planned as it joins, so traffic that reuses
+    nothing keeps this O(1) hand-off (`planned`). A prompt the group holds the first block of
+    goes to `take_batch`, which counts only its uncached tokens in the budget.
     """
 
-    __slots__ = ("columns", "has_cancelled", "requests")
+    __slots__ = (
+        "cache",
+        "chunks",
+        "columns",
+        "cost",
+        "epoch",
+        "firsts",
+        "has_cancelled",
+        "hashed",
+        "plan",
+        "requests",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, cache: PrefixCache | None = None) -> None:
         self.requests: list[Request] = []
         self.columns = Columns()
         self.has_cancelled = False
+        self.cache = cache  # the one group's prefix cache (None: no prompt with a block joins)
+        self.hashed = False  # some prompt in it has blocks
+        # Planned as they join (one group: its plan cannot be another's): the plan, the index
+        # epoch it was made in (a group restart makes it void) and each request's chunk.
+        self.plan: BatchPlan | None = None
+        self.epoch = 0
+        self.chunks: list[Chunk] = []
+        self.firsts: set[int] = set()  # first blocks of its prompts (written by its plan)
+        self.cost = 0  # tokens it computes (what the budget counts)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -153,17 +178,66 @@ class StagedBatch:
 
     def try_add(self, req: Request, budget: Budget) -> bool:
         """Stage a whole prompt if it is short, fits the budget and has no block the prefix
-        cache could hold; False otherwise."""
+        cache holds (or, without `cache`, none it could hold); False otherwise."""
+        hashes = req.hashes
+        if hashes and (
+            self.cache is None
+            or (hashes[0] in self.cache.indexes[0].slot_of and hashes[0] not in self.firsts)
+        ):
+            return False  # its cost and its reads depend on the group: `take_batch` forms it
+        n = req.num_tokens  # its cost: what it computes (a staged request's writes read)
+        if hashes and self.plan is not None:
+            n -= self.plan.lookup(req)
         if (
-            req.hashes  # its cost and its reads depend on the group: `take_batch` forms it
-            or len(self.requests) >= budget.max_batch_size
-            or self.columns.num_tokens + req.num_tokens > budget.max_batch_tokens
+            len(self.requests) >= budget.max_batch_size
+            or self.cost + n > budget.max_batch_tokens
             or budget.is_long(req)
         ):
             return False
+        self._append(req)
+        return True
+
+    def _append(self, req: Request) -> None:
         self.requests.append(req)
         self.columns.add_whole(req)
-        return True
+        if req.hashes:
+            self.hashed = True
+            self.firsts.add(req.hashes[0])
+            if self.plan is None and self.cache is not None:  # plan from here on
+                plan = self.cache.plan(0)
+                if plan is not None:
+                    self.plan, self.epoch = plan, plan.index.epoch
+                    self.chunks = [_place(plan, r) for r in self.requests[:-1]]
+        if self.plan is None:
+            self.cost += req.num_tokens
+            return
+        c = _place(self.plan, req)
+        self.chunks.append(c)
+        self.cost += c.end - c.start
+
+    def planned(
+        self, fresh: BatchPlan | None
+    ) -> tuple[BatchPlan | None, Columns, list[Chunk] | None]:
+        """The plan to send the batch with, its columns and chunks: the one made as requests
+        joined if still valid, else `fresh` (a new plan of the group, None: no cache there)
+        with every request placed now. The staged columns are kept unless some prompt reads a
+        block. The batch no longer owns the plan: the caller commits it, or aborts it (and
+        resets `columns.cache`) if the batch is not sent."""
+        plan, chunks = self.plan, self.chunks
+        if fresh is None:  # (nothing hashed, or the group keeps no cache now)
+            self.clear_plan()
+            return None, self.columns, None
+        if plan is None or self.epoch != plan.index.epoch:  # (the group restarted meanwhile)
+            plan, chunks = fresh, [_place(fresh, r) for r in self.requests]
+        self.plan, self.chunks = None, []
+        cols = Columns.of_chunks(chunks) if plan.hit else self.columns
+        cols.cache = plan.columns()
+        return plan, cols, chunks
+
+    def pins(self) -> Pins | None:
+        """The slots the plan made as requests joined holds (for the invariant check)."""
+        plan = self.plan
+        return None if plan is None else Pins(0, self.epoch, plan.pins, plan.new)
 
     def note_cancelled(self) -> None:
         self.has_cancelled = True
@@ -173,16 +247,26 @@ class StagedBatch:
         if self.has_cancelled:
             live = [r for r in self.requests if not r.cancelled]
             self.clear()
-            self.requests = live
             for r in live:
-                self.columns.add_whole(r)
+                self._append(r)
+
+    def clear_plan(self) -> None:
+        """Give back the plan made as requests joined (the batch was not sent with it)."""
+        plan = self.plan
+        if plan is not None and self.epoch == plan.index.epoch:
+            plan.abort()
+        self.plan, self.chunks = None, []
 
     def clear(self) -> list[Request]:
-        """Empty the batch; return the requests it held."""
+        """Empty the batch (its plan, if not sent, given back); return the requests it held."""
+        self.clear_plan()
         requests = self.requests
         self.requests = []
         self.columns = Columns()
         self.has_cancelled = False
+        self.hashed = False
+        self.firsts = set()
+        self.cost = 0
         return requests
 
     def refill(self, pending: deque[Request], budget: Budget) -> None:
@@ -195,6 +279,10 @@ class StagedBatch:
             if req.worker >= 0 or not self.try_add(req, budget):
                 return
             pending.popleft()
+
+
+def _place(plan: BatchPlan, req: Request) -> Chunk:
+    return plan.place(req, 0, req.num_tokens, plan.lookup(req))
 
 
 def is_full(num_requests: int, num_tokens: int, budget: Budget) -> bool:

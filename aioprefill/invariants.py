@@ -58,4 +58,4 @@ def recount(sched: Scheduler, in_flight: list[InFlight]) -> None:
             f"{list(itertools.chain(sched.staged.requests, sched.pending))!r:.2000}"
         )
     if sched.cache is not None:
-        sched.cache.check(b.pins for b in in_flight)
+        sched.cache.check(itertools.chain((b.pins for b in in_flight), [sched.staged.pins()]))

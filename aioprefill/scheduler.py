@@ -56,7 +56,7 @@ class Scheduler:
         self.staging = staging  # policy "forward": keep the next batch's columns ready
         self.cache = cache  # every group's prefix cache index (None: off)
         self.pending: deque[Request] = deque()
-        self.staged = StagedBatch()
+        self.staged = StagedBatch(cache if cache and len(cache.slots) == 1 else None)
         self.num_pending = 0
         self.pending_tokens = 0
         self.num_in_flight = 0
@@ -124,10 +124,18 @@ class Scheduler:
             if staged.has_cancelled:
                 staged.drop_cancelled()
             if staged.requests:
-                batch = sink.send(group, staged.columns, backlogged=backlogged)
+                plan, cols, chunks = None, staged.columns, None
+                if staged.hashed:
+                    plan, cols, chunks = staged.planned(self._plan(group, sink))
+                batch = sink.send(group, cols, backlogged=backlogged)
                 if batch is None:
+                    if plan is not None:
+                        plan.abort()
+                        staged.columns.cache = None
                     return False
-                batch.chunks = self._commit_staged(staged)
+                batch.chunks = self._commit_staged(staged, chunks)
+                if plan is not None:
+                    batch.pins = plan.commit()
                 return True
         plan = self._plan(group, sink, route=True)
         chunks = take_batch(self.pending, group, self.budget, plan)
@@ -193,14 +201,15 @@ class Scheduler:
             if c.is_last:
                 self.pending.appendleft(c.request)
 
-    def _commit_staged(self, staged: StagedBatch) -> list[Chunk]:
-        num_tokens = staged.num_tokens
+    def _commit_staged(self, staged: StagedBatch, chunks: list[Chunk] | None) -> list[Chunk]:
+        num_tokens = staged.num_tokens  # (whole prompts: cached tokens included)
         requests = staged.clear()
-        chunks = []
-        for req in requests:
+        chunks = [Chunk(r, 0, r.num_tokens) for r in requests] if chunks is None else chunks
+        for c in chunks:
+            req = c.request
             req.next_pos = req.num_tokens
             req.num_chunks = 1
-            chunks.append(Chunk(req, 0, req.num_tokens))
+            req.cached_tokens = c.cached
         self.num_pending -= len(requests)
         self.pending_tokens -= num_tokens
         staged.refill(self.pending, self.budget)

@@ -9,6 +9,7 @@ submitting on the first Ctrl-C and cancel what is left on the second or past a d
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from aioprefill.bench.metrics import Records
 from aioprefill.bench.progress import Progress
 
 __all__ = ["Load", "LoadGen"]
+
+_sent = itertools.count()  # closed-loop prompts sent by this process (`closed_loop`)
 
 
 @dataclass(slots=True)
@@ -98,7 +101,13 @@ class LoadGen:
     ) -> Load:
         """`concurrency` clients, each sending the next prompt of `pool` as soon as its last
         one returns, for `min_s` seconds and on until `min_forwards` forwards ended after the
-        first fifth (at most ten times `min_s`). `window_ns` is (end of that fifth, stop)."""
+        first fifth (at most ten times `min_s`). `window_ns` is (end of that fifth, stop).
+
+        The pool is only a supply of prompts, not a reuse pattern: each prompt sent is a pool
+        prompt rotated by one more position for every pass over the pool any closed loop of
+        this process made (`_sent`), so the prefix cache never finds a prompt it saw in a
+        warm-up or an earlier run (until a prompt's length in passes: 131,072 requests for
+        the default bench's pool of 2,048 prompts of ~64 tokens)."""
         load = Load()
         forwards: set[tuple[int, int]] = set()
         t0 = time.monotonic_ns()
@@ -119,7 +128,8 @@ class LoadGen:
 
         async def client() -> None:
             while not enough():
-                tokens = pool[load.submitted % len(pool)]
+                k = next(_sent)
+                tokens = np.roll(pool[k % len(pool)], k // len(pool) + 1)
                 load.submitted += 1
                 stamp = time.monotonic_ns()
                 try:

@@ -22,7 +22,11 @@ class ForwardPolicy(DispatchPolicy):
 
     def on_arrival(self) -> None:
         sched = self.sched
-        for g in self.groups.slots:
+        slots = self.groups.slots
+        cache = sched.cache
+        if cache is not None and len(slots) > 1:  # a new prefix goes where least was stored
+            slots = sorted(slots, key=lambda g: cache.indexes[g.index].stored)
+        for g in slots:
             if not sched.num_pending:
                 return
             if g.usable and not g.in_flight:

@@ -6,19 +6,20 @@ The `Scheduler` owns it: it hashes a prompt once at submit (`hashes`), asks for 
 each time it forms a batch for a group (`plan`), releases a batch's pins with its answer
 (`release`) and drops a group's index when the group dies (`drop`).
 
-Routing (several data-parallel groups): a request goes to the group that forms a batch next
-(the forward-gated principle: a group whose forward ended takes the oldest work), unless another
-group holds `gain` more tokens of its prompt and has fewer than `gain` tokens in flight: it then
-waits for that group, since waiting costs at most what that group still computes while the
-extra hit saves `gain` tokens of compute. A group never stays idle because of this: when every
-waiting request would rather wait for a busy group, the idle group takes them anyway (only a
-request another *idle* group prefers is left to it, and that group takes it in the same round).
+Routing (several data-parallel groups): a request's *home* is the group holding most of its
+prompt (blocks a batch in flight writes count: a prefix being computed already has a home). A
+group forming a batch leaves a request to its home when `2 * gain > wait` (`BatchPlan.elsewhere`:
+`gain` the tokens it would read there and not here, `wait` half the home's tokens in flight plus
+the requests already left to it); otherwise it takes the request, and then writes none of its
+blocks (the home keeps the prefix, no budget holds a second copy). A free group stays idle only
+while every request it could take is answered sooner by its home; the home takes them the
+moment its forward ends (forward-gated).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -28,6 +29,8 @@ from aioprefill.prefix.index import BlockIndex, CacheObserver
 from aioprefill.prefix.plan import BatchPlan, Pins
 
 __all__ = ["PrefixCache", "PrefixCacheStats"]
+
+_run: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # consumes, in C
 
 
 class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,7 +117,15 @@ class PrefixCache:
             index.free,
             index.pins,
         )
-        for slot in reversed(pins.slots):  # `BlockIndex.unpin`, inlined: ~1 per block written
+        slots = pins.slots[::-1]  # the chain's last blocks first: evicted first
+        if (
+            max(map(count.__getitem__, slots)) == 1
+            and list(map(held.get, map(hash_of.__getitem__, slots))) == slots
+        ):  # the common case (each pinned once, all held), in C loops
+            _run(map(count.__delitem__, slots))
+            lru.update(dict.fromkeys(slots))
+            return
+        for slot in slots:  # `BlockIndex.unpin`, inlined
             n = count[slot]
             if n > 1:
                 count[slot] = n - 1

@@ -49,6 +49,7 @@ class Pins:
 
 class BatchPlan:
     __slots__ = (
+        "away",
         "block_tokens",
         "cache",
         "deferred",
@@ -56,9 +57,9 @@ class BatchPlan:
         "hit",
         "index",
         "new",
-        "patient",
         "pins",
         "queried",
+        "queued",
         "read_counts",
         "read_slots",
         "reads_left",
@@ -80,8 +81,9 @@ class BatchPlan:
         self.reads_left = cache.max_read_blocks  # keeps the batch's frame within the ring
         # Routing: tokens in flight on each group (None: not usable); None: no routing.
         self.waits = waits
-        self.patient = True  # False: a second pass, where only idle groups claim a request
-        self.deferred = 0  # requests left for a busy group in this pass
+        self.queued = [0] * len(waits) if waits is not None else []  # tokens left to each
+        self.deferred = 0  # requests left to another group in this pass
+        self.away: set[Request] = set()  # requests it runs away from their home (no writes)
         self.read_counts: list[int] = []
         self.read_slots: list[int] = []
         self.write_counts: list[int] = []
@@ -103,23 +105,39 @@ class BatchPlan:
         return self.index.count(hashes, limit) * self.block_tokens
 
     def elsewhere(self, req: Request, cached: int) -> bool:
-        """Whether `req` should wait for another group: one that holds `gain` more of its
-        prompt's tokens than this one, with `gain` above the tokens that group still has in
-        flight (what waiting for it costs, in the same unit as what it saves). A second pass
-        (`patient` False) only leaves it for an idle group, which takes it in the same round."""
+        """Whether `req` should wait for its *home*, the group holding most of its prompt
+        (blocks that a batch in flight writes included): when `2 * gain > wait`, with `gain`
+        the tokens it would read there and not here, and `wait` half the tokens that group has
+        in flight (its forward is half done, on average) plus the uncached tokens of the
+        requests this pass already left to it (they go first). The saving counts twice: the
+        tokens are not computed, and their blocks are not stored a second time. Ties go to the
+        home with less to wait for. If it does not wait, it runs here and writes no block
+        (`away`): its home keeps its prefix, and this group's budget holds no second copy."""
         waits = self.waits
         hashes = req.hashes
         if waits is None or not hashes:
             return False
         limit = (req.num_tokens - 1) // self.block_tokens
-        indexes = self.cache.indexes
+        indexes, queued, size = self.cache.indexes, self.queued, self.block_tokens
+        home = -1
+        best = cost = held = 0
         for g, wait in enumerate(waits):
-            if wait is None or g == self.group or (wait and not self.patient):
+            if wait is None or g == self.group:
                 continue
-            if indexes[g].count(hashes, limit) * self.block_tokens - cached > wait:
-                self.deferred += wait > 0
-                return True
-        return False
+            gain = indexes[g].count(hashes, limit) * size - cached
+            if gain <= 0:
+                continue
+            held = max(held, gain)
+            wait = (wait >> 1) + queued[g]
+            if 2 * gain > wait and (gain > best or (gain == best and wait < cost)):
+                home, best, cost = g, gain, wait
+        if home < 0:
+            if held:
+                self.away.add(req)
+            return False
+        queued[home] += req.num_tokens - cached - best
+        self.deferred += 1
+        return True
 
     def place(self, req: Request, start: int, end: int, cached: int = 0) -> Chunk:
         """`req`'s chunk up to `end`, reading `cached` tokens (`lookup`'s answer, first chunk
@@ -145,8 +163,10 @@ class BatchPlan:
         self.read_counts.append(len(reads))
         self.read_slots.extend(reads)
         first = start // size
-        run = hashes[first : end // size]
         slot_of = index.slot_of
+        run = hashes[first : end // size]
+        if run and (req in self.away or (first and hashes[first - 1] not in slot_of)):
+            run = []  # (its chain's parent is not here: a block nobody could reach)
         if not slot_of.keys().isdisjoint(run):  # stop at the first block held already (or
             run = run[: next(i for i, h in enumerate(run) if h in slot_of)]  # written before)
         taken = index.take(len(run)) if run else []

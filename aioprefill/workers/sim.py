@@ -40,7 +40,7 @@ from aioprefill.models import SimModel
 from aioprefill.workers.barrier import SocketBarrier
 from aioprefill.workers.kv_writer import KVWriters, open_writers
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
-from aioprefill.workers.sim_cache import SimBlocks, slots_of
+from aioprefill.workers.sim_cache import SimBlocks, only_whole_writes, slots_of
 
 __all__ = [
     "SIM_EMBED_DIM",
@@ -189,9 +189,8 @@ class SimRunner:
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         seq_lens = batch.seq_lens()
         self._inject_faults(batch.tokens)
-        cached = None
-        if batch.read_offsets is not None:
-            cached = (np.diff(batch.read_offsets) * self.block_tokens).tolist()
+        reads = batch.read_offsets
+        cached = None if reads is None else (np.diff(reads) * self.block_tokens).tolist()
         time.sleep(self.spec.forward_seconds(seq_lens.tolist(), cached))
         if self.barrier is not None:
             out_of_step = self.spec.fail_rank >= 0
@@ -202,7 +201,8 @@ class SimRunner:
                 self._inject_failure(batch.tokens)  # after the barrier: the group stays in step
             if self.barrier.rank == self.spec.slow_rank:
                 time.sleep(self.spec.slow_rank_ms * 1e-3)
-        if batch.options is None and batch.top_k is None and batch.read_offsets is None:
+        if batch.options is None and batch.top_k is None and only_whole_writes(batch):
+            self._blocks.write_whole(batch, self.block_tokens)
             return self._plain(batch)
         return self._with_options(batch)
 

@@ -3,13 +3,18 @@ block's token ids and the CRC32 of the prompt up to the block's end, in place of
 
 A slot is valid once written; the slots a failed forward was to write are invalidated (it may
 have written none of them), and reading an invalid slot raises, so the batch fails rather than
-answer from a block that was never stored."""
+answer from a block that was never stored. A batch that reads nothing and only writes whole
+prompts' blocks (`only_whole_writes`: traffic that reuses nothing) stores them in bulk
+(`write_whole`) and keeps the runner's plain path."""
 
 from __future__ import annotations
 
+import zlib
+from typing import Any
+
 import numpy as np
 
-__all__ = ["SimBlocks", "slots_of"]
+__all__ = ["SimBlocks", "only_whole_writes", "slots_of"]
 
 
 class SimBlocks:
@@ -44,6 +49,31 @@ class SimBlocks:
         self.crc[slot] = crc
         self.valid[slot] = True
 
+    def write_whole(self, batch: Any, block_tokens: int) -> None:
+        """Store the blocks of a batch whose writers are all whole prompts that read nothing
+        (`only_whole_writes`), in one assignment per array (the CPU a real worker's device
+        copies would not cost the host)."""
+        if batch.write_offsets is None or not len(batch.write_slots):
+            return
+        counts = np.diff(batch.write_offsets).tolist()
+        firsts, offsets, tokens = batch.write_first.tolist(), batch.offsets.tolist(), batch.tokens
+        rows, crcs = [], []
+        for i, count in enumerate(counts):
+            if not count:
+                continue
+            base, first = offsets[i], firsts[i]
+            at = base + first * block_tokens
+            crc = zlib.crc32(tokens[base:at])  # the prompt's CRC32 up to its first block
+            for _ in range(count):
+                crc = zlib.crc32(tokens[at : at + block_tokens], crc)
+                rows.append(tokens[at : at + block_tokens])
+                crcs.append(crc)
+                at += block_tokens
+        slots = batch.write_slots
+        self.tokens[slots] = np.stack(rows)
+        self.crc[slots] = crcs
+        self.valid[slots] = True
+
     def invalidate(self, slots: np.ndarray | None) -> None:
         """A forward that was to write these slots failed."""
         if slots is not None and len(slots):
@@ -51,6 +81,16 @@ class SimBlocks:
 
 
 _NO_SLOTS = np.empty(0, dtype=np.int32)
+
+
+def only_whole_writes(batch: Any) -> bool:
+    """No block read, and every request that writes blocks is a whole prompt (one chunk)."""
+    if batch.read_offsets is None:
+        return True
+    if len(batch.read_slots):
+        return False
+    writes = np.diff(batch.write_offsets) > 0
+    return bool((batch.start_pos[writes] == 0).all() and batch.is_last[writes].all())
 
 
 def slots_of(offsets: np.ndarray | None, slots: np.ndarray | None, i: int) -> np.ndarray:

@@ -142,7 +142,7 @@ def test_a_dead_groups_index_is_dropped_and_its_late_pins_ignored():
     assert chunks[0].cached == 0
 
 
-def test_several_groups_a_request_waits_for_the_group_holding_more_unless_it_is_busier():
+def test_several_groups_a_request_waits_for_its_home_unless_that_costs_more_than_it_saves():
     cache = PrefixCache(groups(2, 64), B)
     idle = groups(2, 64)
     prefix = list(range(200, 240))  # 10 blocks
@@ -152,14 +152,16 @@ def test_several_groups_a_request_waits_for_the_group_holding_more_unless_it_is_
     chunks, _, _ = run(cache, idle, [r], group=0)
     assert chunks == []  # group 1 is idle and holds 40 tokens of it: left to group 1
     other = request(3, [9] * 9, cache)
-    chunks, _, _ = run(cache, groups(2, 64, in_flight=(0, 39)), [r, other], group=0)
-    assert [c.request.request_id for c in chunks] == [3]  # waiting costs 39, saves 40: r waits
-    chunks, _, _ = run(cache, groups(2, 64, in_flight=(0, 41)), [r, other], group=0)
-    assert [c.request.request_id for c in chunks] == [2, 3]  # 41 > 40: computed here
-    # Nothing else to do: a busy group's favourite is taken rather than leave group 0 idle.
-    r2 = request(4, [*prefix, 3], cache)
-    chunks, _, _ = run(cache, groups(2, 64, in_flight=(0, 39)), [r2], group=0)
-    assert [c.request.request_id for c in chunks] == [4]
+    # It saves 40 tokens there, counted twice (no second copy stored): it waits while half of
+    # group 1's tokens in flight (the expected rest of its forward) stay under 80.
+    chunks, _, _ = run(cache, groups(2, 64, in_flight=(0, 159)), [r, other], group=0)
+    assert [c.request.request_id for c in chunks] == [3]  # 79 < 80: r waits, even alone
+    chunks, _, _ = run(cache, groups(2, 64, in_flight=(0, 159)), [r], group=0)
+    assert chunks == []
+    chunks, columns, _ = run(cache, groups(2, 64, in_flight=(0, 161)), [r, other], group=0)
+    assert [c.request.request_id for c in chunks] == [2, 3]  # 80: computed here
+    assert columns is not None
+    assert np.frombuffer(columns[2], "<i4")[1] == 0  # r writes nothing: no second copy stored
 
 
 def test_index_check_catches_a_slot_in_two_places():
