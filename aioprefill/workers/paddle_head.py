@@ -13,10 +13,9 @@ exponentials are summed with a float64 accumulator after shifting by the row max
 float32 CPU sum over 32000 logits lost up to ~5e-5; NumPy's float64-accumulated sum is ~1e-8
 from an exact one *and* faster (16 rows: ~0.5 ms vs ~1.2 ms; benchmarks/bench_outputs.py), so
 the CPU reads the logits zero-copy through DLPack and finishes in NumPy. A GPU keeps the logits
-on the device, sums in float64 there and moves only per-row results.
-
-Batch invariance: every reduction here is per row; with `deterministic=True` the head runs on
-fixed tiles of `tile_rows` rows, so no shape depends on the batch.
+on the device, sums in float64 there and moves only per-row results. Batch invariance: every
+reduction is per row; with `deterministic=True` the head runs on fixed tiles of `tile_rows`
+rows, so no shape depends on the batch.
 """
 
 from __future__ import annotations
@@ -34,10 +33,9 @@ from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 __all__ = ["Cached", "OutputHead", "Prefixes", "host"]
 
-# Prompt log-probabilities run the head over many rows: at most this many at a time (without
-# deterministic tiles). 128 rows of SmolLM2's 49152 logits (25 MB) stay in cache for the
-# log-softmax's passes: scoring 2048 rows took 2.04 s against 2.51 s in tiles of 512 (1 thread,
-# oneDNN; the product itself gets slower below ~128 rows: benchmarks/bench_gemm.py).
+# Prompt log-probabilities run the head over at most this many rows at a time (without
+# deterministic tiles): 128 rows of SmolLM2's logits (25 MB) stay in cache for the log-softmax;
+# 2048 rows took 2.04 s against 2.51 s in tiles of 512 (benchmarks/bench_gemm.py).
 _MAX_ROWS = 128
 _EMBED = protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN
 
