@@ -4,10 +4,9 @@ fix, and the store's error codes this package tells apart."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from aioprefill.errors import InvalidConfig
+from aioprefill.transfer.backend import import_mooncake
 
 __all__ = ["RPC_FAIL", "load_store", "store_is_down"]
 
@@ -26,22 +25,8 @@ def store_is_down(code: int) -> bool:
 
 
 def load_store() -> Any:
-    """`mooncake.store.MooncakeDistributedStore`, or InvalidConfig naming what to install.
-    Mooncake's C++ log level is read once, at load: unless MC_LOG_LEVEL says otherwise, errors
-    only (its floor: while the master is down it still logs an error line every few seconds,
-    besides this package's one warning)."""
-    quiet = "MC_LOG_LEVEL" not in os.environ
-    if quiet:
-        os.environ["MC_LOG_LEVEL"] = "ERROR"
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except (ImportError, OSError) as exc:
-        raise InvalidConfig(
-            f"EngineConfig.kv_store: Mooncake's store client cannot be imported ({exc}): pip "
-            "install 'aioprefill[transfer]' (mooncake-transfer-engine-non-cuda), and on "
-            "Debian/Ubuntu apt-get install libibverbs1"
-        ) from exc
-    finally:
-        if quiet:
-            del os.environ["MC_LOG_LEVEL"]
-    return MooncakeDistributedStore
+    """`mooncake.store.MooncakeDistributedStore`, or InvalidConfig naming what to install (while
+    the master is down Mooncake still logs an error line every few seconds, besides this
+    package's one warning)."""
+    store = import_mooncake("mooncake.store", "EngineConfig.kv_store: Mooncake's store client")
+    return store.MooncakeDistributedStore

@@ -10,13 +10,14 @@ listeners close, its peers' reads fail at once). Its calls return 0 or a negativ
 from __future__ import annotations
 
 import ctypes
+import importlib
 import mmap
 import os
 from typing import Any
 
 from aioprefill.errors import InvalidConfig, TransferError
 
-__all__ = ["TRANSFER_EXTRA_HINT", "address_of", "load_mooncake", "new_engine"]
+__all__ = ["TRANSFER_EXTRA_HINT", "address_of", "import_mooncake", "load_mooncake", "new_engine"]
 
 TRANSFER_EXTRA_HINT = (
     "pip install 'aioprefill[transfer]' (mooncake-transfer-engine-non-cuda; on a CUDA machine "
@@ -24,25 +25,29 @@ TRANSFER_EXTRA_HINT = (
 )
 
 
-def load_mooncake() -> Any:
-    """`mooncake.engine`, or InvalidConfig naming what to install. The wheel links libibverbs
-    even for TCP, so without Debian's libibverbs1 the import itself fails (OSError/ImportError
-    naming libibverbs.so.1). Its log level is read once, at load: unless MC_LOG_LEVEL says
-    otherwise, only errors (a dozen info lines per engine start otherwise)."""
-    quiet = "MC_LOG_LEVEL" not in os.environ  # read once, at load: info lines by default
+def import_mooncake(module: str, what: str) -> Any:
+    """Mooncake's `module` (`mooncake.engine`, `mooncake.store`), or InvalidConfig naming `what`
+    could not load and what to install. The wheel links libibverbs even for TCP, so without
+    Debian's libibverbs1 the import itself fails (OSError/ImportError naming libibverbs.so.1).
+    Its C++ log level is read once, at load: unless MC_LOG_LEVEL says otherwise, only errors (a
+    dozen info lines per engine start otherwise)."""
+    quiet = "MC_LOG_LEVEL" not in os.environ
     if quiet:
         os.environ["MC_LOG_LEVEL"] = "ERROR"
     try:
-        import mooncake.engine as engine
+        return importlib.import_module(module)
     except (ImportError, OSError) as exc:
-        raise InvalidConfig(
-            f"EngineConfig.kv_transfer: Mooncake's transfer engine cannot be imported ({exc}): "
-            f"{TRANSFER_EXTRA_HINT}"
-        ) from exc
+        raise InvalidConfig(f"{what} cannot be imported ({exc}): {TRANSFER_EXTRA_HINT}") from exc
     finally:
         if quiet:
             del os.environ["MC_LOG_LEVEL"]
-    return engine
+
+
+def load_mooncake() -> Any:
+    """`mooncake.engine`, or InvalidConfig naming what to install."""
+    return import_mooncake(
+        "mooncake.engine", "EngineConfig.kv_transfer: Mooncake's transfer engine"
+    )
 
 
 def new_engine(host: str, protocol: str, device: str = "") -> tuple[Any, str]:
