@@ -21,7 +21,7 @@ import numpy as np
 from aioprefill.kvstore.backend import store_is_down
 from aioprefill.kvstore.identity import StoreIdentity
 from aioprefill.kvstore.link import StoreLink, log
-from aioprefill.kvstore.puts import staging_slots
+from aioprefill.kvstore.puts import staging_slots, staging_stride
 from aioprefill.kvstore.stats import StoreStats
 from aioprefill.kvstore.value import ValueCodec, ValueRefused
 
@@ -57,7 +57,7 @@ class Loader:
         self.stats = stats
         self.buffer = buffer
         self.slots = staging_slots(buffer, codec.value_bytes)
-        self.stride = -(-codec.value_bytes // 64) * 64
+        self.stride = staging_stride(codec.value_bytes)
         self.job: _Job | None = None  # posted, not yet taken by the thread
         self.busy = False  # the thread owns the staging buffer
         self.cond = threading.Condition()

@@ -28,16 +28,21 @@ from aioprefill.kvstore.link import StoreLink, log
 from aioprefill.kvstore.stats import StoreStats
 from aioprefill.kvstore.value import ValueCodec
 
-__all__ = ["PutQueue", "staging_slots"]
+__all__ = ["PutQueue", "staging_slots", "staging_stride"]
 
 _RECENT = 1 << 16  # hashes remembered as put: a block recomputed after a local eviction
 # is not put again
 _BATCH = 64  # values per batch_put_from
 
 
+def staging_stride(value_bytes: int) -> int:
+    """Bytes from one staging slot to the next: `value_bytes` rounded up to 64."""
+    return -(-value_bytes // 64) * 64
+
+
 def staging_slots(buffer: np.ndarray, value_bytes: int) -> list[memoryview]:
     """`buffer` cut into 64-byte-aligned slots of `value_bytes` each."""
-    stride = -(-value_bytes // 64) * 64
+    stride = staging_stride(value_bytes)
     view = memoryview(buffer.data).cast("B")
     return [view[i * stride : i * stride + value_bytes] for i in range(len(view) // stride)]
 
@@ -148,7 +153,7 @@ class PutQueue:
     def _put(self, batch: list[tuple[int, int]]) -> None:
         size = self.codec.value_bytes
         base = self.buffer.ctypes.data
-        stride = -(-size // 64) * 64
+        stride = staging_stride(size)
         for _, slot in batch:
             self.codec.seal(self.slots[slot])
         keys = [self.identity.key(h) for h, _ in batch]
