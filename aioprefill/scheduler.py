@@ -125,8 +125,8 @@ class Scheduler:
                 staged.drop_cancelled()
             if staged.requests:
                 plan, cols, chunks = None, staged.columns, None
-                if staged.hashed:
-                    plan, cols, chunks = staged.planned(self._plan(group, sink))
+                if staged.hashed:  # (the prefix cache of the one group, group 0)
+                    plan, cols, chunks = staged.planned()
                 batch = sink.send(group, cols, backlogged=backlogged)
                 if batch is None:
                     if plan is not None:

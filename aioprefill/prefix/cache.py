@@ -85,19 +85,25 @@ class PrefixCache:
     def plan(self, group: int, *, route: bool = False) -> BatchPlan | None:
         """A plan for the next batch of `group` (None when it keeps no cache); with `route`
         and several groups, the plan may leave requests to another group."""
+        index = self.index_of(group)
+        if index is None:
+            return None
         slots = self.slots
-        slot = slots[group]
+        waits = None
+        if route and len(slots) > 1:
+            waits = [sum(b.num_tokens for b in s.in_flight) if s.usable else None for s in slots]
+        return BatchPlan(self, group, index, waits)
+
+    def index_of(self, group: int) -> BlockIndex | None:
+        """The group's index (reset first if the group restarted since: the plans made
+        before are void), None when the group keeps no cache."""
+        slot = self.slots[group]
         index = self.indexes[group]
         if slot.generation != self._generation[group]:  # (re)started: adopt its slot count
             self.drop(group)
             self._generation[group] = slot.generation
             index.reset(slot.cache_blocks, slot.block_bytes)
-        if not index.num_blocks:
-            return None
-        waits = None
-        if route and len(slots) > 1:
-            waits = [sum(b.num_tokens for b in s.in_flight) if s.usable else None for s in slots]
-        return BatchPlan(self, group, index, waits)
+        return index if index.num_blocks else None
 
     def release(self, pins: Pins, *, failed: bool = False) -> None:
         """A batch's answer came back: its slots may be evicted again, the chain's last
