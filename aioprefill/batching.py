@@ -179,6 +179,8 @@ class StagedBatch:
     def try_add(self, req: Request, budget: Budget) -> bool:
         """Stage a whole prompt if it is short, fits the budget and has no block the prefix
         cache holds (or, without `cache`, none it could hold); False otherwise."""
+        if len(self.requests) >= budget.max_batch_size or budget.is_long(req):
+            return False  # (before its blocks are hashed: they may wait)
         hashes = req.hashes
         if hashes and (
             self.cache is None
@@ -188,11 +190,7 @@ class StagedBatch:
         n = req.num_tokens  # its cost: what it computes (a staged request's writes read)
         if hashes and self.plan is not None:
             n -= self.plan.lookup(req)
-        if (
-            len(self.requests) >= budget.max_batch_size
-            or self.cost + n > budget.max_batch_tokens
-            or budget.is_long(req)
-        ):
+        if self.cost + n > budget.max_batch_tokens:
             return False
         self._append(req)
         return True

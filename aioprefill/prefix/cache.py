@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import msgspec
 
+from aioprefill.core import Budget, Request
 from aioprefill.prefix.hashing import block_hashes
 from aioprefill.prefix.index import BlockIndex, CacheObserver
 from aioprefill.prefix.plan import BatchPlan, Pins
@@ -81,6 +83,26 @@ class PrefixCache:
         if not any(s.cache_blocks for s in self.slots):
             return None
         return block_hashes(tokens, self.block_tokens, salt) or None
+
+    def defer_hashes(self, req: Request, salt: str | None) -> None:
+        """Give a new request the means to hash its blocks when they are first read
+        (`Request.hashes`; never for a prompt without a full block)."""
+        if len(req.tokens) >= self.min_bytes:
+            req.hasher = partial(self.hashes, req.tokens, salt)
+
+    @staticmethod
+    def hash_ahead(pending: Iterable[Request], budget: Budget) -> None:
+        """Hash the prompts at the queue's head not hashed yet, a batch's worth (a batch was
+        just written: its forward runs meanwhile), so the next batch forms without hashing;
+        the others are hashed when first read."""
+        tokens, count = budget.max_batch_tokens, budget.max_batch_size
+        for req in pending:
+            if tokens <= 0 or count <= 0:
+                return
+            if req.hasher is not None:
+                req.hashes  # noqa: B018 (computes them)
+            tokens -= req.remaining
+            count -= 1
 
     def plan(self, group: int, *, route: bool = False) -> BatchPlan | None:
         """A plan for the next batch of `group` (None when it keeps no cache); with `route`

@@ -17,7 +17,7 @@ B = 4  # tokens per block in these tests
 
 def request(rid: int, tokens: list[int], cache: PrefixCache) -> Request:
     data = np.asarray(tokens, dtype="<i4").tobytes()
-    return Request(rid, data, rid, hashes=block_hashes(data, B))
+    return Request(rid, data, rid, known_hashes=block_hashes(data, B))
 
 
 def groups(num: int, blocks: int, in_flight: tuple[int, ...] = ()) -> list[SimpleNamespace]:
