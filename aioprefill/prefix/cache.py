@@ -64,8 +64,10 @@ class PrefixCache:
         *,
         max_read_blocks: int = 1 << 14,
         observer: CacheObserver | None = None,
+        store_keys: bool = True,
     ) -> None:
         self.slots = slots
+        self.store_keys = store_keys  # batches carry their written blocks' hashes (a KV store)
         self.block_tokens = block_tokens
         self.min_bytes = 4 * block_tokens  # a prompt shorter than this has no block to hash
         self.max_read_blocks = max_read_blocks  # per batch: its frame must fit the ring
@@ -201,8 +203,14 @@ class PrefixCache:
 
 def prefix_cache_for(config: Any, slots: Sequence[Any]) -> PrefixCache | None:
     """The engine's `PrefixCache` for an `EngineConfig` and the pool's `slots` (None when
-    `prefix_cache_bytes` is 0); a batch reads at most 1/16 of the ring in slot ids."""
+    `prefix_cache_bytes` is 0); a batch reads at most 1/16 of the ring in slot ids, and
+    carries its written blocks' hashes only to workers with a KV store."""
     if not config.prefix_cache_bytes:
         return None
     max_reads = max(64, config.effective_ring_capacity() // 64)
-    return PrefixCache(slots, config.prefix_block_tokens, max_read_blocks=max_reads)
+    return PrefixCache(
+        slots,
+        config.prefix_block_tokens,
+        max_read_blocks=max_reads,
+        store_keys=config.kv_store is not None,  # (only a worker's store reads them)
+    )

@@ -181,7 +181,8 @@ class BatchPlan:
             pins.extend(taken)
             self.new.extend(taken)
             self.write_slots.extend(taken)
-            self.write_hashes.extend(run[:count])
+            if self.cache.store_keys:
+                self.write_hashes.extend(run[:count])
         self.write_offsets.append(len(self.write_slots))
         self.write_first.append(first)
         if count:
