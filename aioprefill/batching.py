@@ -179,6 +179,8 @@ class StagedBatch:
     def try_add(self, req: Request, budget: Budget) -> bool:
         """Stage a whole prompt if it is short, fits the budget and has no block the prefix
         cache holds (or, without `cache`, none it could hold); False otherwise."""
+        if len(self.requests) >= budget.max_batch_size or budget.is_long(req):
+            return False  # (before its blocks are hashed: they may wait)
         hashes = req.hashes
         if hashes and (
             self.cache is None
@@ -188,11 +190,7 @@ class StagedBatch:
         n = req.num_tokens  # its cost: what it computes (a staged request's writes read)
         if hashes and self.plan is not None:
             n -= self.plan.lookup(req)
-        if (
-            len(self.requests) >= budget.max_batch_size
-            or self.cost + n > budget.max_batch_tokens
-            or budget.is_long(req)
-        ):
+        if self.cost + n > budget.max_batch_tokens:
             return False
         self._append(req)
         return True
@@ -215,20 +213,22 @@ class StagedBatch:
         self.chunks.append(c)
         self.cost += c.end - c.start
 
-    def planned(
-        self, fresh: BatchPlan | None
-    ) -> tuple[BatchPlan | None, Columns, list[Chunk] | None]:
+    def planned(self) -> tuple[BatchPlan | None, Columns, list[Chunk] | None]:
         """The plan to send the batch with, its columns and chunks: the one made as requests
-        joined if still valid, else `fresh` (a new plan of the group, None: no cache there)
-        with every request placed now. The staged columns are kept unless some prompt reads a
-        block. The batch no longer owns the plan: the caller commits it, or aborts it (and
-        resets `columns.cache`) if the batch is not sent."""
+        joined if still valid (O(1): its columns were built as they joined), else a new plan
+        of the group with every request placed now; None when the group keeps no cache now.
+        The staged columns are kept unless some prompt reads a block. The batch no longer
+        owns the plan: the caller commits it, or aborts it (and resets `columns.cache`) if the
+        batch is not sent. Only with `cache` (one group: group 0)."""
+        assert self.cache is not None
         plan, chunks = self.plan, self.chunks
-        if fresh is None:  # (nothing hashed, or the group keeps no cache now)
+        if self.cache.index_of(0) is None:  # the group keeps no cache now
             self.clear_plan()
             return None, self.columns, None
         if plan is None or self.epoch != plan.index.epoch:  # (the group restarted meanwhile)
-            plan, chunks = fresh, [_place(fresh, r) for r in self.requests]
+            plan = self.cache.plan(0)
+            assert plan is not None
+            chunks = [_place(plan, r) for r in self.requests]
         self.plan, self.chunks = None, []
         cols = Columns.of_chunks(chunks) if plan.hit else self.columns
         cols.cache = plan.columns()

@@ -6,6 +6,7 @@ derived numbers; who may write which field is said on each.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,14 +35,25 @@ class Request:
     attempts: int = 0
     outputs: Any = None  # aioprefill.outputs.Outputs, when the caller asked for more than a token
     tag: str | int | None = None  # the caller's request_id: in its errors and the logs
-    # Prefix cache: the chained hash of each full block (None: cache off or no full block),
-    # and the tokens its first chunk computed this attempt read from the cache.
-    hashes: list[int] | None = None
+    # Prefix cache: the chained hash of each full block (`hashes`, None: cache off or no full
+    # block), computed by `hasher` when first read (a request queued behind others is hashed
+    # when a batch is about to need it, not in its caller's burst of arrivals); and the tokens
+    # its first chunk computed this attempt read from the cache.
+    hasher: Callable[[], list[int] | None] | None = None
+    known_hashes: list[int] | None = None
     cached_tokens: int = 0
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.tokens) >> 2
+
+    @property
+    def hashes(self) -> list[int] | None:
+        hasher = self.hasher
+        if hasher is not None:
+            self.known_hashes = hasher()
+            self.hasher = None
+        return self.known_hashes
 
     @property
     def remaining(self) -> int:

@@ -116,8 +116,8 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
     # that a request *earlier in the same batch* writes (both share an uncached prefix): the
     # worker makes each layer's written keys/values visible before later requests attend. The
     # engine never writes a slot that the same batch reads for its old content.
-    # write_hashes uint64[len(write_slots)]: the written blocks' hashes (store keys, when the
-    # worker has a store: it may load a chunk's leading written blocks instead of computing).
+    # write_hashes uint64[len(write_slots)] or empty: the written blocks' hashes (store keys,
+    # only for workers with a store: it may load a chunk's leading written blocks instead).
     read_offsets: bytes = b""
     read_slots: bytes = b""
     write_offsets: bytes = b""

@@ -44,7 +44,6 @@ class BatchSink(Protocol):
 
     def send(self, group: int, columns: Columns, *, backlogged: bool) -> InFlight | None:
         """Write one batch to every rank of `group`; None (nothing written) if a ring is full."""
-        ...
 
 
 class Scheduler:
@@ -77,8 +76,8 @@ class Scheduler:
         `outputs`: its `aioprefill.outputs.Outputs`, when it asked for more than a token;
         `tag`: the caller's request_id; `salt`: its cache_salt (hashed into its blocks)."""
         req = Request(next(self._ids), tokens, submitted_ns, handle, outputs=outputs, tag=tag)
-        if self.cache is not None and len(tokens) >= self.cache.min_bytes:  # a full block
-            req.hashes = self.cache.hashes(tokens, salt)
+        if self.cache is not None:  # its blocks hashed when first needed
+            self.cache.defer_hashes(req, salt)
         if not (self.staging and not self.pending and self.staged.try_add(req, self.budget)):
             self.pending.append(req)
         self.num_pending += 1
@@ -125,8 +124,8 @@ class Scheduler:
                 staged.drop_cancelled()
             if staged.requests:
                 plan, cols, chunks = None, staged.columns, None
-                if staged.hashed:
-                    plan, cols, chunks = staged.planned(self._plan(group, sink))
+                if staged.hashed:  # (the prefix cache of the one group, group 0)
+                    plan, cols, chunks = staged.planned()
                 batch = sink.send(group, cols, backlogged=backlogged)
                 if batch is None:
                     if plan is not None:
@@ -173,6 +172,8 @@ class Scheduler:
         if plan is not None:
             batch.pins = plan.commit()
         self._mark_sent(chunks, group)
+        if self.cache is not None:  # the next batch's prompts hashed while this one runs
+            self.cache.hash_ahead(self.pending, self.budget)
         return True
 
     def dispatch_step(self, sink: BatchSink, num_ranks: int, *, always: bool = False) -> bool:
@@ -213,6 +214,8 @@ class Scheduler:
         self.num_pending -= len(requests)
         self.pending_tokens -= num_tokens
         staged.refill(self.pending, self.budget)
+        if self.cache is not None:  # the next batch's prompts hashed while this one runs
+            self.cache.hash_ahead(self.pending, self.budget)
         return chunks
 
     def _mark_sent(self, chunks: list[Chunk], group: int) -> None:
@@ -286,11 +289,9 @@ class Scheduler:
 
     def release(self, chunks: list[Chunk]) -> int:
         """A batch's forward ended: a prompt it carried a middle chunk of may send its next.
-
         O(1): only a batch's last chunk can be a non-final one (`take_batch` appends the long
         prompt's chunk last; eager batches hold one chunk). Returns the id of a cancelled
-        prompt whose KV cache the group must now drop, else -1.
-        """
+        prompt whose KV cache the group must now drop, else -1."""
         if chunks:
             c = chunks[-1]
             req = c.request
@@ -304,8 +305,7 @@ class Scheduler:
         """Queued requests whose KV cache lives on `group` (between two chunks)."""
         return [r for r in self.pending if r.worker == group and not r.cancelled]
 
-    def lost_group(self, group: int) -> None:
-        """`group` died: its prefix cache is gone (nothing is ever read from it again)."""
+    def lost_group(self, group: int) -> None:  # its prefix cache is gone: never read again
         if self.cache is not None:
             self.cache.drop(group)
 

@@ -3,12 +3,12 @@
 One `SimModel` worker with the `gpu-class` costs (10.9 ms + 25.7 us/token), 229 closed-loop
 clients sending unique prompts of lognormal(64, 0.5) tokens for 4 s (saturation: full batches of
 ~105), the engine's default cache against cache off. Per run: requests/s; the mean gap between
-two forwards on the worker's clock; of it, the forward's end to the next batch's dispatch stamp
-(the engine's part) and from the later of the two to the next forward's start (the ring, the
-worker's wake-up and decode); the CPU time of the engine process (with its clients) and of the
-workers over the run.
+two forwards on the worker's clock (and its median); of it, the forward's end to the next
+batch's dispatch stamp (the engine's part) and from the later of the two to the next forward's
+start (the ring, the worker's wake-up and decode); the CPU time of the engine process (with its
+clients) and of the workers over the run.
 
-    python benchmarks/bench_prefix_gap.py [on,off,off,on]
+    python benchmarks/bench_prefix_gap.py [on,off,off,on] [SECONDS per run, default 4]
 """
 
 from __future__ import annotations
@@ -65,20 +65,23 @@ async def run(cache_on: bool, seconds: float = 4.0, clients: int = 229) -> str:
         }.values()
     )
     pairs = list(itertools.pairwise(batches))
-    gap = statistics.mean(s2 - e1 for (_, e1, _), (s2, _, _) in pairs) / 1e3
+    gaps = [s2 - e1 for (_, e1, _), (s2, _, _) in pairs]
+    gap, p50 = statistics.mean(gaps) / 1e3, statistics.median(gaps) / 1e3
     engine_part = statistics.mean(d2 - e1 for (_, e1, _), (_, _, d2) in pairs) / 1e3
     after = statistics.mean(s2 - max(e1, d2) for (_, e1, _), (s2, _, d2) in pairs) / 1e3
     return (
         f"{'on' if cache_on else 'off'}: {len(results) / seconds:.1f} req/s, gap {gap:.0f} us "
+        f"(p50 {p50:.0f} us, {len(gaps)} gaps) "
         f"(end -> next dispatched {engine_part:.0f} us; then -> next start {after:.0f} us); "
         f"CPU: engine + clients {engine_s:.2f} s, workers {workers_s:.2f} s over {seconds:g} s"
     )
 
 
-async def main(order: list[str]) -> None:
+async def main(order: list[str], seconds: float) -> None:
     for arm in order:
-        print(f"{await run(arm == 'on')}  (load {os.getloadavg()[0]:.1f})", flush=True)
+        print(f"{await run(arm == 'on', seconds)}  (load {os.getloadavg()[0]:.1f})", flush=True)
 
 
 if __name__ == "__main__":
-    asyncio.run(main((sys.argv[1] if len(sys.argv) > 1 else "on,off,off,on").split(",")))
+    arms = (sys.argv[1] if len(sys.argv) > 1 else "on,off,off,on").split(",")
+    asyncio.run(main(arms, float(sys.argv[2]) if len(sys.argv) > 2 else 4.0))

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import msgspec
 
+from aioprefill.core import Budget, Request
 from aioprefill.prefix.hashing import block_hashes
 from aioprefill.prefix.index import BlockIndex, CacheObserver
 from aioprefill.prefix.plan import BatchPlan, Pins
@@ -62,8 +64,10 @@ class PrefixCache:
         *,
         max_read_blocks: int = 1 << 14,
         observer: CacheObserver | None = None,
+        store_keys: bool = True,
     ) -> None:
         self.slots = slots
+        self.store_keys = store_keys  # batches carry their written blocks' hashes (a KV store)
         self.block_tokens = block_tokens
         self.min_bytes = 4 * block_tokens  # a prompt shorter than this has no block to hash
         self.max_read_blocks = max_read_blocks  # per batch: its frame must fit the ring
@@ -82,22 +86,48 @@ class PrefixCache:
             return None
         return block_hashes(tokens, self.block_tokens, salt) or None
 
+    def defer_hashes(self, req: Request, salt: str | None) -> None:
+        """Give a new request the means to hash its blocks when they are first read
+        (`Request.hashes`; never for a prompt without a full block)."""
+        if len(req.tokens) >= self.min_bytes:
+            req.hasher = partial(self.hashes, req.tokens, salt)
+
+    @staticmethod
+    def hash_ahead(pending: Iterable[Request], budget: Budget) -> None:
+        """Hash the prompts at the queue's head not hashed yet, a batch's worth (a batch was
+        just written: its forward runs meanwhile), so the next batch forms without hashing;
+        the others are hashed when first read."""
+        tokens, count = budget.max_batch_tokens, budget.max_batch_size
+        for req in pending:
+            if tokens <= 0 or count <= 0:
+                return
+            if req.hasher is not None:
+                req.hashes  # noqa: B018 (computes them)
+            tokens -= req.remaining
+            count -= 1
+
     def plan(self, group: int, *, route: bool = False) -> BatchPlan | None:
         """A plan for the next batch of `group` (None when it keeps no cache); with `route`
         and several groups, the plan may leave requests to another group."""
+        index = self.index_of(group)
+        if index is None:
+            return None
         slots = self.slots
-        slot = slots[group]
+        waits = None
+        if route and len(slots) > 1:
+            waits = [sum(b.num_tokens for b in s.in_flight) if s.usable else None for s in slots]
+        return BatchPlan(self, group, index, waits)
+
+    def index_of(self, group: int) -> BlockIndex | None:
+        """The group's index (reset first if the group restarted since: the plans made
+        before are void), None when the group keeps no cache."""
+        slot = self.slots[group]
         index = self.indexes[group]
         if slot.generation != self._generation[group]:  # (re)started: adopt its slot count
             self.drop(group)
             self._generation[group] = slot.generation
             index.reset(slot.cache_blocks, slot.block_bytes)
-        if not index.num_blocks:
-            return None
-        waits = None
-        if route and len(slots) > 1:
-            waits = [sum(b.num_tokens for b in s.in_flight) if s.usable else None for s in slots]
-        return BatchPlan(self, group, index, waits)
+        return index if index.num_blocks else None
 
     def release(self, pins: Pins, *, failed: bool = False) -> None:
         """A batch's answer came back: its slots may be evicted again, the chain's last
@@ -173,8 +203,14 @@ class PrefixCache:
 
 def prefix_cache_for(config: Any, slots: Sequence[Any]) -> PrefixCache | None:
     """The engine's `PrefixCache` for an `EngineConfig` and the pool's `slots` (None when
-    `prefix_cache_bytes` is 0); a batch reads at most 1/16 of the ring in slot ids."""
+    `prefix_cache_bytes` is 0); a batch reads at most 1/16 of the ring in slot ids, and
+    carries its written blocks' hashes only to workers with a KV store."""
     if not config.prefix_cache_bytes:
         return None
     max_reads = max(64, config.effective_ring_capacity() // 64)
-    return PrefixCache(slots, config.prefix_block_tokens, max_read_blocks=max_reads)
+    return PrefixCache(
+        slots,
+        config.prefix_block_tokens,
+        max_read_blocks=max_reads,
+        store_keys=config.kv_store is not None,  # (only a worker's store reads them)
+    )

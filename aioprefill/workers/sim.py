@@ -12,11 +12,11 @@ alone (so batch- and chunk-invariant), with the shapes and types a real model gi
 
 Its prefix cache has the slots a real worker would have for the same budget (`cache_blocks`:
 `prefix_cache_bytes // (block_tokens * SimModel.kv_bytes_per_token)`); as its "KV", a slot
-holds its block's token ids and the CRC32 of the prompt up to the block's end. A chunk that
-reads slots continues from them (their tokens stand in for the prefix it did not receive, the
-last slot's CRC is where its own continues), so its outputs equal the whole prompt's, and a
-wrong read (an engine bookkeeping bug) gives a wrong answer. Its cost charges the computed
-tokens plus attention over the cached ones (`SimModel.forward_seconds`).
+holds its block's token ids. A chunk that reads slots continues from them (their tokens stand
+in for the prefix it did not receive, and its CRC32 continues from theirs), so its outputs
+equal the whole prompt's, and a wrong read (an engine bookkeeping bug) gives a wrong answer.
+Its cost charges the computed tokens plus attention over the cached ones
+(`SimModel.forward_seconds`).
 
 As a rank of a tensor- or expert-parallel group it meets its peers at a real barrier after
 every forward (`SocketBarrier`), so a step costs what the slowest rank costs and a rank that
@@ -254,7 +254,6 @@ class SimRunner:
                     seg, seg_start = chunk, start
                     kept = self._partial.pop(rid, None) if start else None
                     state = kept or _State()
-                crc_before = state.crc
                 opts = 0 if options is None else int(options[i])
                 if opts & protocol.OPT_PROMPT_LOGPROBS:
                     prev = np.concatenate([[state.last_token], seg[:-1]])
@@ -278,8 +277,7 @@ class SimRunner:
                 writes = slots_of(batch.write_offsets, batch.write_slots, i)
                 if len(writes):
                     assert batch.write_first is not None
-                    first = int(batch.write_first[i])
-                    self._write(writes, first, state.tokens, start, chunk, crc_before)
+                    self._write(writes, int(batch.write_first[i]), state.tokens)
                 if not batch.is_last[i]:
                     self._partial[rid] = state
                     continue
@@ -312,25 +310,13 @@ class SimRunner:
             prompt_top_k_logprobs=np.concatenate(p_lps) if p_lps else np.empty(0, np.float32),
         )
 
-    def _write(
-        self,
-        slots: np.ndarray,
-        first: int,
-        parts: list[np.ndarray],
-        start: int,
-        chunk: np.ndarray,
-        crc: int,
-    ) -> None:
-        """Store prompt blocks first, first+1, ... (each ends inside this chunk, which starts
-        at `start` with the prompt's CRC32 `crc`) in `slots`; `parts`: the prompt so far."""
+    def _write(self, slots: np.ndarray, first: int, parts: list[np.ndarray]) -> None:
+        """Store prompt blocks first, first+1, ... in `slots`; `parts`: the prompt so far."""
         size = self.block_tokens
         prompt = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        pos = start
         for j, slot in enumerate(slots.tolist()):
             end = (first + j + 1) * size
-            crc = zlib.crc32(chunk[pos - start : end - start].tobytes(), crc)
-            pos = end
-            self._blocks.write(slot, prompt[end - size : end], crc)
+            self._blocks.write(slot, prompt[end - size : end])
 
     def _inject_failure(self, tokens: np.ndarray) -> None:
         if self.spec.fail_token >= 0 and np.any(tokens == self.spec.fail_token):

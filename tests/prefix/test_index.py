@@ -17,7 +17,7 @@ B = 4  # tokens per block in these tests
 
 def request(rid: int, tokens: list[int], cache: PrefixCache) -> Request:
     data = np.asarray(tokens, dtype="<i4").tobytes()
-    return Request(rid, data, rid, hashes=block_hashes(data, B))
+    return Request(rid, data, rid, known_hashes=block_hashes(data, B))
 
 
 def groups(num: int, blocks: int, in_flight: tuple[int, ...] = ()) -> list[SimpleNamespace]:
@@ -229,3 +229,13 @@ def test_the_observer_hears_blocks_stored_parents_first_evicted_failed_and_clear
     assert seen.events[0] == ("removed", 0, [ha[1]])  # a's last block, not its parent
     cache.drop(0)
     assert seen.events[-1] == ("cleared", 0)
+
+
+def test_the_written_blocks_hashes_travel_only_to_workers_with_a_store():
+    for store_keys in (True, False):
+        cache = PrefixCache(groups(1, 8), B, store_keys=store_keys)
+        first = request(1, list(range(10)), cache)
+        _, columns, _ = run(cache, groups(1, 8), [first])
+        assert list(np.frombuffer(columns[3], "<i4")) == [0, 1]  # written either way
+        expected = first.hashes[:2] if store_keys else []
+        assert list(np.frombuffer(columns[5], "<u8")) == expected
