@@ -83,6 +83,14 @@ class StoreTier:
         """Stage a written block for a put (copied now); False when it will not be put."""
         return self.puts.offer(block_hash, tokens, parts)
 
+    def defer(self, blocks: Sequence[tuple[int, int, np.ndarray, Sequence[Any]]]) -> None:
+        """List written blocks `(cache slot, hash, tokens, parts)` for puts, copied later by
+        the put thread; `settle(slots)` before rewriting any of those cache slots."""
+        self.puts.defer(blocks)
+
+    def settle(self, cache_slots: Sequence[int]) -> None:
+        self.puts.settle(cache_slots)
+
     def load_pays(self, sizes: Sequence[int]) -> bool:
         """The cost rule (`kvstore.cost`) for one call asking chains of `sizes` blocks, with
         this worker's own measured read cost (`reads`), hit fraction (`hits`) and compute cost
