@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aioprefill.errors import InvalidConfig
@@ -66,9 +66,23 @@ def kv_events_for(config: Any, cache: Any) -> KVEventPublisher | NoKVEvents:
         config.kv_events_endpoint,
         replay_endpoint=config.kv_events_replay_endpoint,
         block_tokens=config.prefix_block_tokens,
+        store_capacity=_store_capacity(config, cache),
     )
     cache.observer = pub
     return pub
+
+
+def _store_capacity(config: Any, cache: Any) -> Callable[[], int] | None:
+    """With a KV store: the blocks this node's segments hold (segment bytes over cache bytes
+    per worker, times the node's cache slots, known once its workers started)."""
+    if config.kv_store is None:
+        return None
+    ratio = config.kv_store_options.segment_bytes / config.prefix_cache_bytes
+
+    def capacity() -> int:
+        return int(ratio * sum(index.num_blocks for index in cache.indexes))
+
+    return capacity
 
 
 class KVEventPublisher:
@@ -90,10 +104,11 @@ class KVEventPublisher:
         block_tokens: int = 16,
         ring_batches: int = 4096,
         medium: str = "GPU",
+        store_capacity: Callable[[], int] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint or default_replay_endpoint(endpoint)
-        self.blocks = NodeBlocks(block_tokens, medium)
+        self.blocks = NodeBlocks(block_tokens, medium, store_capacity)
         self._ring = BatchRing(ring_batches)
         self._pending: list[Event] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -180,9 +195,9 @@ class KVEventPublisher:
         publisher keeps `token_ids` (a snapshot reads it later): pass a list nobody mutates."""
         self._add(self.blocks.stored(worker, hashes, parent_hash, token_ids))
 
-    def removed(self, worker: int, hashes: Sequence[int]) -> None:
-        """`worker` evicted `hashes`."""
-        self._add(self.blocks.removed(worker, hashes))
+    def removed(self, worker: int, hashes: Sequence[int], *, in_store: bool = True) -> None:
+        """`worker` evicted `hashes` (`in_store`: False when it never wrote them)."""
+        self._add(self.blocks.removed(worker, hashes, in_store=in_store))
 
     def cleared(self, worker: int) -> None:
         """`worker` restarted or died: its blocks are gone."""

@@ -1,22 +1,30 @@
-"""The cost rule: read a chain from the store only when that is cheaper than computing it.
+"""The cost rule: read from the store only when that is expected to beat computing.
 
-    load k blocks  iff  read_latency_s + k * value_bytes / read_bytes_per_s
-                        < k * block_tokens * seconds_per_token
+One load call serves the whole batch (one `batch_get_into` for every chain), so its fixed cost
+is paid once per batch, and it pays only for the blocks the store turns out to hold:
 
-Both sides are measured as the worker runs: `seconds_per_token` is what one more computed
-token costs it, fitted from its own forwards (`ForwardClock`); the read side, a load call's
-latency and its time per block, fitted from its own loads (`ReadClock`), starts from the
-`KVStoreOptions` fields `read_latency_s` and `read_bytes_per_s` (defaults set against the
-loopback TCP figures of benchmarks/bench_kvstore.py: docs/kv-store.md). The latency is paid
-once per load call (one `batch_get_into` for the whole batch), so short chains are the ones
-that may not pay; `min_blocks` says from how many on it does.
+    load the batch's chains (k_1 .. k_n blocks)  iff
+        read time per block < compute time per block                          (bandwidth)
+        and  read latency < hit fraction * sum(k_i) * (compute - read per block)   (per call)
+
+`compute time per block` is `block_tokens` times what one more computed token costs the
+worker, fitted from its own forwards (`ForwardClock`: the slope, not the average, which would
+count a forward's fixed cost that a load does not save). The read side is measured from its
+own load calls (`ReadClock`): the latency from calls that found nothing, the time per block
+from those that did, both smoothed (EWMA) and each observation capped at 4x the estimate, so
+that one slow call (the first connection to a peer's segment, a descheduled thread) cannot
+switch loads off; they start from the `KVStoreOptions` fields `read_latency_s` and
+`read_bytes_per_s`. The hit fraction (`HitRate`: blocks found over blocks asked, smoothed)
+says how much of what is asked a call finds: where most prompts are new (the store cannot
+hold them), a call mostly costs its latency. `load_pays` and `min_blocks` state the rule for
+one chain found whole (docs/kv-store.md).
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["ForwardClock", "LinearClock", "ReadClock", "load_pays", "min_blocks"]
+__all__ = ["ForwardClock", "HitRate", "LinearClock", "ReadClock", "load_pays", "min_blocks"]
 
 
 def load_pays(
@@ -138,24 +146,50 @@ class ForwardClock(LinearClock):
         return slope if 0 < slope <= average else average
 
 
-class ReadClock(LinearClock):
-    """A load's wall time against the blocks it fetched (a miss: 0 blocks, the call's
-    latency), starting from the configured `read_latency_s` and bandwidth, which count as two
-    observations and fade; one slow call (connecting to a peer) decides nothing alone."""
+class ReadClock:
+    """A load call's cost: `latency()` (a call that found nothing) and `per_block()` (each
+    block found: transfer, checks, the copy into its slot), exponentially weighted averages
+    (`alpha`) starting from the configured values. An observation counts as at most 4x what
+    was expected: one slow call decides nothing alone, a real slowdown gets in a few calls
+    later."""
 
-    __slots__ = ()
+    __slots__ = ("_latency", "_per_block", "alpha")
 
     def __init__(self, latency: float, per_block: float, alpha: float = 0.1) -> None:
-        super().__init__(latency, per_block, alpha, replace_guess=False)
+        self._latency = latency
+        self._per_block = per_block
+        self.alpha = alpha
 
-    def record(self, seconds: float, x: float) -> None:
-        # An outlier (a call that paid for connecting to a peer) counts as at most 4x what
-        # was expected: a real slowdown still gets in, a few calls later.
-        expected = self.latency() + x * self.per_block()
-        super().record(min(seconds, 4 * expected + 1e-4), x)
+    def record(self, seconds: float, blocks: int) -> None:
+        """A call that took `seconds` and found `blocks` blocks."""
+        if seconds <= 0 or blocks < 0:
+            return
+        a = self.alpha
+        if blocks == 0:
+            seen = min(seconds, 4 * self._latency + 1e-4)
+            self._latency += a * (seen - self._latency)
+        else:
+            each = max(0.0, seconds - self._latency) / blocks
+            seen = min(each, 4 * self._per_block + 1e-6)
+            self._per_block += a * (seen - self._per_block)
 
     def latency(self) -> float:
-        return max(0.0, self.intercept)
+        return self._latency
 
     def per_block(self) -> float:
-        return max(0.0, self.slope)
+        return self._per_block
+
+
+class HitRate:
+    """The fraction of the blocks asked that a load call found, exponentially weighted
+    (`alpha`); starts at `initial`."""
+
+    __slots__ = ("alpha", "fraction")
+
+    def __init__(self, initial: float = 0.5, alpha: float = 0.1) -> None:
+        self.fraction = initial
+        self.alpha = alpha
+
+    def record(self, found: int, asked: int) -> None:
+        if asked > 0:
+            self.fraction += self.alpha * (found / asked - self.fraction)

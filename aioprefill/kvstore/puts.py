@@ -7,6 +7,14 @@ the link down, or the block put recently: the block is not put (counted), and th
 never waits. The copy is what makes this safe: the engine may give the cache slot to another
 block in the very next batch, and the put thread must not read a slot being rewritten.
 
+`defer` is the cheaper form the worker uses after each forward: it only lists the blocks (their
+cache slots and views of them), and the put thread does the copies while the worker goes on.
+Before the worker writes any cache slot again (its next batch's loads and forward), `settle`
+with that batch's write slots copies, on the worker's thread, the listed blocks in those slots
+the put thread has not reached yet, and waits for one it is copying: no slot is rewritten
+while, or before, its block is copied, and the checksum (computed by the put thread after the
+copy) covers exactly what the forward wrote.
+
 One thread ("kvstore-put") first connects the link (`StoreLink.connect`, which may block for
 a long time), then seals (checksums) and puts whatever is staged, a batch at a time, with
 `batch_put_from` straight from the registered buffer; while the link is down it waits the
@@ -66,6 +74,9 @@ class PutQueue:
         self.slots = staging_slots(buffer, codec.value_bytes)
         self.free: deque[int] = deque(range(len(self.slots)))
         self.pending: deque[tuple[int, int]] = deque()  # (block hash, slot)
+        # cache slot -> (block hash, tokens, parts): listed by `defer`, not yet copied
+        self.deferred: OrderedDict[int, tuple[int, np.ndarray, Sequence[Any]]] = OrderedDict()
+        self.copying = -1  # the cache slot the put thread is copying now (-1: none)
         self.recent: OrderedDict[int, None] = OrderedDict()
         self.cond = threading.Condition()
         self.closed = False
@@ -80,20 +91,61 @@ class PutQueue:
         self.thread.start()
 
     def offer(self, block_hash: int, tokens: np.ndarray, parts: Sequence[Any]) -> bool:
-        """Stage one block for a put; False (counted) when it is not put. Never blocks."""
-        s = self.stats
+        """Stage one block for a put (copied now); False (counted) when it is not put. Never
+        blocks."""
         if not self.link.up.is_set():
-            s.puts_skipped_down += 1
+            self.stats.puts_skipped_down += 1
             return False
         with self.cond:
-            if block_hash in self.recent:
-                self.recent.move_to_end(block_hash)
-                s.puts_skipped_recent += 1
-                return False
-            if not self.free:
-                s.puts_dropped_full += 1
-                return False
-            slot = self.free.popleft()
+            slot = self._take_slot(block_hash)
+        return slot >= 0 and self._stage(slot, block_hash, tokens, parts)
+
+    def defer(self, blocks: Sequence[tuple[int, int, np.ndarray, Sequence[Any]]]) -> None:
+        """List `(cache slot, block hash, tokens, parts)` blocks for a put, the views read
+        later by the put thread: the caller calls `settle` before it rewrites a cache slot."""
+        if not self.link.up.is_set():
+            self.stats.puts_skipped_down += len(blocks)
+            return
+        with self.cond:
+            for cache_slot, block_hash, tokens, parts in blocks:
+                self.deferred[cache_slot] = (block_hash, tokens, parts)
+            self.cond.notify()
+
+    def settle(self, cache_slots: Sequence[int]) -> None:
+        """Before `cache_slots` are rewritten: copy their listed blocks now (this thread),
+        and wait for the one the put thread may be copying."""
+        mine = []
+        with self.cond:
+            if not self.deferred and self.copying < 0:
+                return
+            for cache_slot in cache_slots:
+                item = self.deferred.pop(cache_slot, None)
+                if item is not None:
+                    mine.append(item)
+            if self.copying >= 0:
+                rewritten = set(cache_slots)
+                self.cond.wait_for(lambda: self.copying not in rewritten)
+        for block_hash, tokens, parts in mine:
+            with self.cond:
+                slot = self._take_slot(block_hash)
+            if slot >= 0:
+                self._stage(slot, block_hash, tokens, parts)
+
+    def _take_slot(self, block_hash: int) -> int:
+        """A free staging slot for `block_hash` (under `cond`), or -1 (counted) when the
+        block was put recently or the budget is full."""
+        s = self.stats
+        if block_hash in self.recent:
+            self.recent.move_to_end(block_hash)
+            s.puts_skipped_recent += 1
+            return -1
+        if not self.free:
+            s.puts_dropped_full += 1
+            return -1
+        return self.free.popleft()
+
+    def _stage(self, slot: int, block_hash: int, tokens: np.ndarray, parts: Sequence[Any]) -> bool:
+        """Copy the block into staging `slot` and queue its put."""
         payload = self.codec.write_header(self.slots[slot], block_hash, tokens)
         at = 0
         for part in parts:  # arrays, contiguous or not (a slot's views): one copy each
@@ -137,18 +189,45 @@ class PutQueue:
                         return
                 continue
             with self.cond:
-                self.cond.wait_for(lambda: self.pending or self.closed or not link.up.is_set())
+                self.cond.wait_for(
+                    lambda: self.pending or self.deferred or self.closed or not link.up.is_set()
+                )
                 if self.closed:
                     return
                 if not link.up.is_set():
                     continue
+                if self.deferred and len(self.pending) < _BATCH:
+                    self._copy_deferred()
+                    continue
                 batch = [self.pending.popleft() for _ in range(min(_BATCH, len(self.pending)))]
             self._put(batch)
+
+    def _copy_deferred(self) -> None:
+        """(Under `cond`.) Copy listed blocks into staging, one at a time, each with the
+        lock released (`copying` says which cache slot is being read), until a batch is full
+        or none is left."""
+        while self.deferred and len(self.pending) < _BATCH and not self.closed:
+            cache_slot, (block_hash, tokens, parts) = self.deferred.popitem(last=False)
+            slot = self._take_slot(block_hash)
+            if slot < 0:
+                continue
+            self.copying = cache_slot
+            self.cond.release()
+            try:
+                self._stage(slot, block_hash, tokens, parts)
+            except Exception:
+                log.exception("copying a block for the Mooncake Store failed")
+            finally:
+                self.cond.acquire()
+                self.copying = -1
+                self.cond.notify_all()
 
     def _drop_pending(self) -> None:
         while self.pending:
             self.free.append(self.pending.popleft()[1])
             self.stats.puts_skipped_down += 1
+        self.stats.puts_skipped_down += len(self.deferred)
+        self.deferred.clear()
 
     def _put(self, batch: list[tuple[int, int]]) -> None:
         size = self.codec.value_bytes

@@ -1,5 +1,7 @@
 """`StoreStats`: one worker's store-tier counters. Each counter has one writer thread (the
-forward's, the put thread or the load thread), so plain ints suffice."""
+forward's, the put thread or the load thread) or is written under the put queue's lock
+(`puts_skipped_recent`, `puts_dropped_full`: a block is staged by either thread), so plain ints
+suffice."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from aioprefill.kvstore.cost import ForwardClock, ReadClock
+from aioprefill.kvstore.cost import ForwardClock, HitRate, ReadClock
 from aioprefill.kvstore.identity import StoreIdentity
 from aioprefill.kvstore.link import StoreLink
 from aioprefill.kvstore.loads import Chain, Loader
@@ -28,8 +28,8 @@ from aioprefill.kvstore.value import ValueCodec
 __all__ = ["StoreTier"]
 
 # When the cost rule keeps refusing, every this-many-th batch loads anyway, so that the
-# measured read cost follows the store.
-_PROBE_EVERY = 64
+# measured read cost and hit fraction follow the store.
+_PROBE_EVERY = 16
 
 
 class StoreTier:
@@ -53,6 +53,7 @@ class StoreTier:
         self.clock = ForwardClock(seconds_per_token)
         per_block = self.codec.value_bytes / options.read_bytes_per_s
         self.reads = ReadClock(options.read_latency_s, per_block)
+        self.hits = HitRate()
         put_buf = np.zeros(options.put_buffer_bytes, dtype=np.uint8)
         load_buf = np.zeros(options.load_buffer_bytes, dtype=np.uint8)
         self.link = StoreLink(options, [put_buf, load_buf])
@@ -82,35 +83,46 @@ class StoreTier:
         """Stage a written block for a put (copied now); False when it will not be put."""
         return self.puts.offer(block_hash, tokens, parts)
 
-    def load_pays(self, num_blocks: int) -> bool:
-        """The cost rule (`kvstore.cost`) for a chain of `num_blocks`, with this worker's own
-        measured read cost (`reads`) and compute cost per token (`clock`)."""
-        if num_blocks <= 0:
+    def defer(self, blocks: Sequence[tuple[int, int, np.ndarray, Sequence[Any]]]) -> None:
+        """List written blocks `(cache slot, hash, tokens, parts)` for puts, copied later by
+        the put thread; `settle(slots)` before rewriting any of those cache slots."""
+        self.puts.defer(blocks)
+
+    def settle(self, cache_slots: Sequence[int]) -> None:
+        self.puts.settle(cache_slots)
+
+    def load_pays(self, sizes: Sequence[int]) -> bool:
+        """The cost rule (`kvstore.cost`) for one call asking chains of `sizes` blocks, with
+        this worker's own measured read cost (`reads`), hit fraction (`hits`) and compute cost
+        per token (`clock`)."""
+        gain = self.identity.block_tokens * self.clock.seconds_per_token - self.reads.per_block()
+        if gain <= 0 or not any(sizes):
             return False
-        read = self.reads.latency() + num_blocks * self.reads.per_block()
-        return read < num_blocks * self.identity.block_tokens * self.clock.seconds_per_token
+        return self.reads.latency() < self.hits.fraction * sum(sizes) * gain
 
     def load(
         self, chains: Sequence[Chain], sink: Callable[[int, int, memoryview], None]
     ) -> list[int]:
-        """For each chain that the cost rule says is worth reading, load its longest good
-        prefix (all chains in one call, `loader.capacity` blocks at most); `sink(c, i,
-        payload)` copies block i of chain c into its slot. Returns, per chain, how many blocks
-        were handed over; the caller computes the rest. The call's time teaches `reads`."""
-        asked = [chain if self.load_pays(len(chain)) else chain[:0] for chain in chains]
-        if any(asked):
+        """When the cost rule says the batch's chains are worth asking for, load the longest
+        good prefix of each (all chains in one call, `loader.capacity` blocks at most);
+        `sink(c, i, payload)` copies block i of chain c into its slot. Returns, per chain,
+        how many blocks were handed over; the caller computes the rest. The call's time
+        teaches `reads`, what it found `hits`."""
+        if self.load_pays([len(chain) for chain in chains]):
             self.refused = 0
         else:
             self.stats.loads_skipped += 1
             self.refused += 1
             if self.refused % _PROBE_EVERY:
                 return [0] * len(chains)
-            asked = list(chains)  # now and then anyway: a refused load teaches nothing
+            # now and then anyway: a refused load teaches nothing
         calls, timeouts = self.stats.loads, self.stats.load_timeouts
         start = time.perf_counter()
-        got = self.loader.load(asked, sink)
+        got = self.loader.load(chains, sink)
         if self.stats.loads > calls and self.stats.load_timeouts == timeouts:
             self.reads.record(time.perf_counter() - start, sum(got))
+            asked = min(sum(len(chain) for chain in chains), self.loader.capacity)
+            self.hits.record(sum(got), asked)
         return got
 
     def record_forward(self, seconds: float, computed_tokens: int) -> None:

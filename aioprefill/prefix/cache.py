@@ -139,7 +139,7 @@ class PrefixCache:
         if failed and pins.written:  # (before the unpins: a pinned slot goes free after)
             lost = [index.hash_of[s] for s in pins.written if index.discard(s)]
             if lost and self.observer is not None:
-                self.observer.removed(pins.group, lost)
+                self.observer.removed(pins.group, lost, in_store=False)
         held, hash_of, lru, free, count = (
             index.slot_of,
             index.hash_of,

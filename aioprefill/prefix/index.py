@@ -35,14 +35,15 @@ class CacheObserver(Protocol):
 
     `stored` lists consecutive blocks of one prompt, parents first (`parent_hash`: the block
     before the first, None at the prompt's start; `token_ids`: all their ids, in order);
-    `removed`: blocks evicted; `cleared`: the worker lost everything (death, restart).
+    `removed`: blocks evicted (`in_store` False: lost by a failed forward, never written);
+    `cleared`: the worker lost everything (death, restart).
     """
 
     def stored(
         self, worker: int, hashes: list[int], parent_hash: int | None, token_ids: list[int]
     ) -> None: ...
 
-    def removed(self, worker: int, hashes: list[int]) -> None: ...
+    def removed(self, worker: int, hashes: list[int], *, in_store: bool = True) -> None: ...
 
     def cleared(self, worker: int) -> None: ...
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from aioprefill.config import POLICIES, EngineConfig, PaddleModel, SimModel
+from aioprefill.kvstore.options import KVStoreOptions
 from aioprefill.transfer.options import TransferOptions
 
 __all__ = ["main", "parse_args"]
@@ -79,6 +80,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the address decode nodes reach this server at",
     )
     g.add_argument("--prefix-block-tokens", type=int, default=16, help="tokens per cached block")
+    g.add_argument(
+        "--kv-store-master",
+        default=None,
+        metavar="HOST:PORT",
+        help="share cached blocks through this mooncake_master (the Mooncake Store tier)",
+    )
+    g.add_argument(
+        "--kv-store-host", default="127.0.0.1", help="the address other nodes reach this one at"
+    )
+    g.add_argument(
+        "--kv-store-segment-mb", type=int, default=256, help="what each worker lends the store"
+    )
     g.add_argument(
         "--kv-events-endpoint",
         default=None,
@@ -203,6 +216,7 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         **kv_transfer(args),
+        **kv_store(args),
         **(
             {}
             if args.prefix_cache_bytes is None
@@ -219,6 +233,18 @@ def kv_transfer(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     options = TransferOptions(host=args.kv_transfer_host)
     return {"kv_transfer": args.kv_transfer, "kv_transfer_options": options}
+
+
+def kv_store(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's store fields for --kv-store-master (the Mooncake Store tier)."""
+    if args.kv_store_master is None:
+        return {}
+    options = KVStoreOptions(
+        master=args.kv_store_master,
+        host=args.kv_store_host,
+        segment_bytes=args.kv_store_segment_mb << 20,
+    )
+    return {"kv_store": "mooncake", "kv_store_options": options}
 
 
 def main(argv: list[str] | None = None) -> None:

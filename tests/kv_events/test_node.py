@@ -149,3 +149,106 @@ def test_a_snapshot_is_the_union_with_parents_first_and_tokens_kept():
         assert not seen & set(ev.block_hashes)
         seen.update(ev.block_hashes)
     assert seen == {h for h in parents if node.holds(h)} and len(seen) == len(node)
+
+
+# ---- a KV store behind the node: blocks that leave its caches stay loadable ("CPU") ----
+
+
+def stored_node(capacity: int = 100) -> NodeBlocks:
+    return NodeBlocks(B, store_capacity=lambda: capacity)
+
+
+def test_an_evicted_block_stays_announced_as_store_backed():
+    node = stored_node()
+    node.stored(0, [1, 2, 3], None, toks(1, 2, 3))
+    # leaf first, as the LRU evicts: GPU withdrawn, then CPU announced parents first
+    assert node.removed(0, [3, 2]) == [
+        BlockRemoved([3, 2], "GPU"),
+        BlockStored([2, 3], 1, toks(2, 3), B, None, "CPU", None),
+    ]
+    assert node.num_store_backed == 2 and not node.holds(2)
+    # cached again (loaded or computed): GPU again, and still in the store (no CPU event)
+    assert node.stored(0, [1, 2, 3], None, toks(1, 2, 3)) == [
+        BlockStored([2, 3], 1, toks(2, 3), B, None, "GPU", None)
+    ]
+    assert node.removed(0, [3]) == [BlockRemoved([3], "GPU")]
+    # a block another worker still holds stays GPU: nothing to say
+    node.stored(1, [1], None, toks(1))
+    assert node.removed(0, [1]) == []
+
+
+def test_the_store_backed_blocks_are_bounded_oldest_withdrawn_first():
+    node = stored_node(capacity=2)
+    node.stored(0, [1, 2, 3], None, toks(1, 2, 3))
+    assert node.removed(0, [3, 2, 1]) == [
+        BlockRemoved([3, 2, 1], "GPU"),
+        BlockStored([1, 2, 3], None, toks(1, 2, 3), B, None, "CPU", None),
+        BlockRemoved([3], "CPU"),  # (the oldest: the first evicted)
+    ]
+    assert node.num_store_backed == 2
+
+
+def test_blocks_a_failed_forward_never_wrote_are_not_store_backed():
+    node = stored_node()
+    node.stored(0, [1, 2], None, toks(1, 2))
+    assert node.removed(0, [2, 1], in_store=False) == [BlockRemoved([2, 1], "GPU")]
+    assert node.num_store_backed == 0
+
+
+def test_a_snapshot_has_the_store_backed_blocks_after_the_cached_ones():
+    node = stored_node()
+    node.stored(0, [1, 2, 3], None, toks(1, 2, 3))
+    node.removed(0, [3])
+    assert node.snapshot() == [
+        BlockStored([1, 2], None, toks(1, 2), B, None, "GPU", None),
+        BlockStored([3], 2, toks(3), B, None, "CPU", None),
+    ]
+    # the node's last worker restarts: its segment left the store with it
+    assert node.cleared(0) == [AllBlocksCleared()]
+    assert node.snapshot() == [] and node.num_store_backed == 0
+
+
+def test_random_histories_keep_both_tiers_exact():
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    cap = rng.randrange(1, 30)
+    node = stored_node(cap)
+    truth: dict[int, set[int]] = {w: set() for w in range(3)}
+    gpu: set[int] = set()
+    cpu: list[int] = []  # announced store-backed, oldest first
+    for _ in range(2000):
+        w = rng.randrange(3)
+        op = rng.random()
+        before = set().union(*truth.values())
+        if op < 0.5:
+            hashes = rng.sample(range(40), rng.randrange(1, 6))
+            events = node.stored(w, hashes, None, toks(*hashes))
+            truth[w].update(hashes)
+        elif op < 0.97:
+            hashes = rng.sample(range(40), rng.randrange(1, 6))
+            events = node.removed(w, hashes)
+            truth[w].difference_update(hashes)
+        else:
+            events = node.cleared(w)
+            truth[w].clear()
+        held = set().union(*truth.values())
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared):
+                gpu.clear()
+                cpu.clear()
+            elif ev.medium == "GPU" and isinstance(ev, BlockStored):
+                assert not gpu & set(ev.block_hashes)
+                gpu.update(ev.block_hashes)
+            elif ev.medium == "GPU":
+                assert set(ev.block_hashes) <= gpu
+                gpu.difference_update(ev.block_hashes)
+            elif isinstance(ev, BlockStored):  # CPU: only blocks that just left the node
+                assert set(ev.block_hashes) <= before - held
+                assert not set(cpu) & set(ev.block_hashes)
+                cpu.extend(ev.block_hashes)
+            else:
+                assert set(ev.block_hashes) <= set(cpu)
+                cpu = [h for h in cpu if h not in ev.block_hashes]
+        assert gpu == held
+        assert len(cpu) <= cap and node.num_store_backed == len(cpu)

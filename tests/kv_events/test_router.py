@@ -61,15 +61,26 @@ class LoopThread:
 
 class Cluster:
     def __init__(
-        self, nodes: list[Server], block: int, stack: ExitStack, *flags: str, ring: int = 64
+        self,
+        nodes: list[Server],
+        block: int,
+        stack: ExitStack,
+        *flags: str,
+        ring: int = 64,
+        store_blocks: int | None = None,
     ) -> None:
         self.nodes, self.block, self.flags = nodes, block, flags
         self.on_loop = LoopThread(stack)
         self.pubs = []
         for _ in nodes:
             ep, replay = endpoints()
+            capacity = None if store_blocks is None else (lambda: store_blocks)
             pub = KVEventPublisher(
-                ep, replay_endpoint=replay, block_tokens=block, ring_batches=ring
+                ep,
+                replay_endpoint=replay,
+                block_tokens=block,
+                ring_batches=ring,
+                store_capacity=capacity,
             )
             self.on_loop.run(pub.start)
             stack.callback(self.on_loop.run, pub.close)
@@ -184,6 +195,36 @@ def test_block_size_32_routes_when_the_router_is_told(nodes):
         c = Cluster(nodes, 32, stack, "--kv-event-block-size", "32")
         p, h = c.prompt(2)
         c.store(1, h, None, p)
+        assert c.landed(p) == [0, 4]
+
+
+def test_store_backed_blocks_route_at_the_host_tier_credit(nodes):
+    """With a store behind the nodes, a block A evicted stays loadable by A: announced "CPU",
+    which the router credits at --kv-penalty-host (0.8): more than one block B caches, less
+    than the same blocks cached ("GPU")."""
+    with ExitStack() as stack:
+        c = Cluster(nodes, 16, stack, store_blocks=100)
+        a, b = c.pubs
+        p, h = c.prompt(3)
+        c.store(0, h, None, p)
+        c.store(1, h[:1], None, p[:16])
+        c.publish(0, a.removed, 0, h[::-1])  # A evicts all three, leaf first
+        assert a.blocks.num_store_backed == 3 and len(a.blocks) == 0
+        assert c.landed(p) == [4, 0]  # A: 3 x 0.8 > B: 1
+        c.store(1, h[1:], h[0], p[16:])  # B caches all three
+        assert c.landed(p) == [0, 4]  # B: 3 > A: 3 x 0.8
+        c.publish(1, b.removed, 0, h[::-1])  # B evicts them too: 3 x 0.8 each
+        c.store(0, h[:1], None, p[:16])  # A caches the first again: 1 + 2 x 0.8
+        assert c.landed(p) == [4, 0]
+
+
+def test_without_a_store_an_evicted_block_routes_nowhere(nodes):
+    with ExitStack() as stack:
+        c = Cluster(nodes, 16, stack)
+        p, h = c.prompt(3)
+        c.store(0, h, None, p)
+        c.store(1, h[:1], None, p[:16])
+        c.publish(0, c.pubs[0].removed, 0, h[::-1])
         assert c.landed(p) == [0, 4]
 
 

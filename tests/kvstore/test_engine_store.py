@@ -175,3 +175,44 @@ async def test_an_engine_whose_master_is_absent_starts_and_serves():
             assert r.token == expected_token(prompt)
         assert r.cached_tokens == 32  # the local cache works as without a store
         assert engine.stats().prefix_cache.store_hit_tokens == 0
+
+
+async def test_blocks_a_node_evicts_stay_announced_as_store_backed():
+    """KV events with a store: blocks evicted from the local cache are announced "CPU"
+    (still loadable from the store: vllm-router's host tier), parents first, after their
+    "GPU" withdrawal (tests/kv_events/test_router.py: how the router credits them)."""
+    from types import SimpleNamespace
+
+    from tests.kv_events.test_engine_events import batches
+    from tests.kv_events.util import Subscriber, endpoints
+
+    ep, replay = endpoints()
+    nobody = LocalMaster()  # the events are the engine's decisions: no master needed
+    cfg = config(nobody, cache_blocks=4)
+    cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint = ep, replay
+    async with Engine(cfg) as engine:
+        s = Subscriber(SimpleNamespace(endpoint=ep, replay_endpoint=replay))
+        try:
+            assert await batches(s) == [[{"type": "AllBlocksCleared"}]]
+            first, second = ids(1, 65), ids(2, 65)  # 4 full blocks each: the whole cache
+            h1 = block_hashes(np.asarray(first, "<i4").tobytes(), B)
+            h2 = block_hashes(np.asarray(second, "<i4").tobytes(), B)
+            await engine.prefill(first)
+            (([gpu],),) = [await batches(s)]
+            assert (gpu["medium"], gpu["block_hashes"]) == ("GPU", h1)
+            await engine.prefill(second)  # evicts all of first's blocks
+            ((removed, backed, stored),) = await batches(s)
+            assert removed == {"type": "BlockRemoved", "block_hashes": h1[::-1], "medium": "GPU"}
+            assert (backed["type"], backed["medium"]) == ("BlockStored", "CPU")
+            assert backed["block_hashes"] == h1 and backed["parent_block_hash"] is None
+            assert backed["token_ids"] == first[:64]
+            assert (stored["medium"], stored["block_hashes"]) == ("GPU", h2)
+            again = await engine.prefill(first)  # computed again (no master): GPU again
+            assert again.cached_tokens == 0
+            # second's blocks go to the store tier; first's were there already: GPU only
+            ((removed, backed, stored),) = await batches(s)
+            assert (removed["medium"], removed["block_hashes"]) == ("GPU", h2[::-1])
+            assert (backed["medium"], backed["block_hashes"]) == ("CPU", h2)
+            assert (stored["medium"], stored["block_hashes"]) == ("GPU", h1)
+        finally:
+            s.close()

@@ -1,5 +1,6 @@
 """Store keys are deterministic and name the model's identity; the weights digest follows
-the weights' bytes, not their path; the cost rule loads exactly when reading is cheaper."""
+the weights' bytes, not their path; the cost rule loads exactly when reading is expected to be
+cheaper, on estimates that one slow call cannot derail."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from aioprefill.kvstore.cost import ForwardClock, ReadClock, load_pays, min_blocks
+from aioprefill.kvstore.cost import ForwardClock, HitRate, ReadClock, load_pays, min_blocks
 from aioprefill.kvstore.identity import StoreIdentity, weights_digest
 
 
@@ -77,12 +78,43 @@ def test_forward_clock_fits_the_cost_of_one_more_token():
     assert same.seconds_per_token == pytest.approx((0.010 + 64 * 20e-6) / 64)
 
 
-def test_read_clock_starts_from_the_options_then_fits_the_loads():
+def test_read_clock_starts_from_the_options_then_follows_the_loads():
     reads = ReadClock(1e-3, 80e-6)
     assert reads.latency() == pytest.approx(1e-3) and reads.per_block() == pytest.approx(80e-6)
-    reads.record(0.2, 0)  # a first call that paid for connecting: one vote among several
-    assert reads.latency() < 0.05
-    for blocks in [0, 4, 1, 8, 0, 2, 16, 3] * 12:  # misses cost the call alone
+    reads.record(0.2, 0)  # a first call that paid for connecting: capped at 4x the estimate
+    assert reads.latency() < 1.4e-3
+    reads.record(0.2, 10)  # a slow hit (20 ms a block): capped too
+    assert reads.per_block() < 120e-6
+    for blocks in [0, 4, 1, 8, 0, 2, 16, 3] * 40:  # misses cost the call alone
         reads.record(0.3e-3 + blocks * 50e-6, blocks)
     assert reads.latency() == pytest.approx(0.3e-3, rel=0.05)
     assert reads.per_block() == pytest.approx(50e-6, rel=0.05)
+    for _ in range(40):  # a real slowdown gets in, a few calls later
+        reads.record(5e-3, 0)
+    assert reads.latency() == pytest.approx(5e-3, rel=0.05)
+
+
+def test_hit_rate_follows_what_the_calls_found():
+    hits = HitRate()
+    assert hits.fraction == 0.5
+    hits.record(0, 0)  # asked nothing: no news
+    assert hits.fraction == 0.5
+    for _ in range(60):
+        hits.record(10, 40)
+    assert hits.fraction == pytest.approx(0.25, rel=0.01)
+
+
+def test_the_batch_rule_weighs_the_latency_against_the_expected_gain():
+    """One call per batch: worth it when the blocks it is expected to find save more compute
+    than the call's latency; never when a block reads slower than it computes."""
+    from aioprefill.kvstore.tier import StoreTier
+    from tests.kvstore.util import IDENT, PAYLOAD, options
+
+    t = StoreTier(options("127.0.0.1:1", read_latency_s=1e-3), IDENT, PAYLOAD, 25e-6)
+    t.reads = ReadClock(1e-3, 100e-6)  # compute: 16 x 25 us = 400 us a block
+    t.hits.fraction = 0.25  # expected gain: 0.25 * 300 us = 75 us a block asked
+    assert not t.load_pays([4, 5])  # 9 blocks: 675 us < 1 ms
+    assert t.load_pays([4, 5, 6])  # 15 blocks: 1.125 ms > 1 ms
+    assert not t.load_pays([0, 0]) and not t.load_pays([])
+    t.reads = ReadClock(0.0, 450e-6)  # a block reads slower than it computes
+    assert not t.load_pays([1000])

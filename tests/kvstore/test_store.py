@@ -2,7 +2,8 @@
 pid): blocks one worker puts are loaded by another worker process, checked before use; a
 forged, short or foreign value, or a block evicted before the read, ends the chain there (the
 worker computes the rest); the put budget drops instead of blocking; the cost rule skips the
-store when computing is cheaper."""
+store when computing is cheaper; blocks listed for a later copy are copied before their cache
+slot is rewritten."""
 
 from __future__ import annotations
 
@@ -207,3 +208,28 @@ def test_one_load_answers_every_chain_of_a_batch(master, reader):
         assert len(got) == 5
     finally:
         writer.close()
+
+
+def test_a_deferred_block_is_copied_before_its_cache_slot_is_rewritten(master, reader):
+    """`defer` lists blocks (views of the cache slots) for the put thread to copy later;
+    `settle(slots)`, which the worker calls before its next batch writes those slots, copies
+    them first: what the store gets is what the forward wrote, never what came after."""
+    blocks = Blocks(4, seed=7)
+    cache = np.stack(blocks.payloads)  # four cache slots holding the blocks' payloads
+    t = tier(master.address)
+    try:
+        listed = [
+            (i, h, blocks.tokens[i], [cache[i]]) for i, h in enumerate(blocks.hashes)
+        ]  # fmt: skip
+        with t.puts.cond:  # (the put thread cannot copy a listed block meanwhile)
+            t.defer(listed)
+            assert len(t.puts.deferred) == 4
+            t.settle([1, 0, 99])  # the next batch writes slots 0 and 1 (99: nothing listed)
+            assert sorted(t.puts.deferred) == [2, 3]
+            cache[:2] = 0  # ... and rewrites them
+        drain(t)  # the put thread copies 2 and 3
+        assert t.stats.puts == 4, t.stats
+        k, _ = blocks.load(reader)  # every byte checked against the payloads as written
+        assert k == 4
+    finally:
+        t.close()

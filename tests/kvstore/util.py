@@ -89,7 +89,9 @@ def drain(t: StoreTier) -> None:
     """Wait until every staged block was put or refused (every staging slot free again)."""
     q = t.puts
     with q.cond:
-        ok = q.cond.wait_for(lambda: len(q.free) == len(q.slots), 30)
+        ok = q.cond.wait_for(
+            lambda: len(q.free) == len(q.slots) and not q.deferred and q.copying < 0, 30
+        )
     assert ok, f"puts never finished: {t.stats}"
 
 

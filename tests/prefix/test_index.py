@@ -200,8 +200,8 @@ class Recorder:
     def stored(self, worker, hashes, parent_hash, token_ids):
         self.events.append(("stored", worker, list(hashes), parent_hash, list(token_ids)))
 
-    def removed(self, worker, hashes):
-        self.events.append(("removed", worker, list(hashes)))
+    def removed(self, worker, hashes, *, in_store=True):
+        self.events.append(("removed", worker, list(hashes)) + (() if in_store else ("lost",)))
 
     def cleared(self, worker):
         self.events.append(("cleared", worker))
@@ -222,7 +222,7 @@ def test_the_observer_hears_blocks_stored_parents_first_evicted_failed_and_clear
     hb = block_hashes(np.asarray(b, "<i4").tobytes(), B)
     assert seen.events == [("stored", 0, hb[2:], ha[1], b[8:12])]
     cache.release(pins, failed=True)  # its forward failed: the block it wrote is gone
-    assert seen.events[-1] == ("removed", 0, hb[2:])
+    assert seen.events[-1] == ("removed", 0, hb[2:], "lost")  # (never written: not in a store)
     seen.events.clear()
     c = [70, 71, 72, 73, 74, 75, 76, 77, 78]
     _, _, pins = run(cache, slots, [request(3, c, cache)])  # needs two slots: one evicted

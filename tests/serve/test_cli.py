@@ -70,3 +70,19 @@ def test_a_cpu_server_spreads_the_cores_and_says_so(caplog):
     assert (config.num_workers, config.model.num_threads) == (1, 1)
     done = run("--model", "sim", "--cache-isolation", "per-key")
     assert done.returncode != 0 and "needs --api-key" in done.stderr
+
+
+def test_the_kv_store_flags_make_the_store_tier():
+    from aioprefill.serve.__main__ import build, parse_args
+
+    config, _ = build(parse_args(["--model", "sim"]))
+    assert config.kv_store is None
+    flags = ["--model", "sim", "--kv-store-master", "10.0.0.5:50051", "--kv-store-host",
+             "10.0.0.7", "--kv-store-segment-mb", "64"]  # fmt: skip
+    config, _ = build(parse_args(flags))
+    assert config.kv_store == "mooncake"
+    opts = config.kv_store_options
+    assert (opts.master, opts.host, opts.segment_bytes) == ("10.0.0.5:50051", "10.0.0.7", 64 << 20)
+    done = run("--model", "sim", "--kv-store-master", "no-port")
+    assert done.returncode != 0 and "KVStoreOptions.master" in done.stderr
+    assert "Traceback" not in done.stderr
