@@ -212,11 +212,12 @@ def real_prompts(gguf: Path) -> list[list[int]]:
 # ---------------------------------------------------------------- aioprefill side
 
 
-def _aio_setting(text: str) -> tuple[int, int, int, str]:
+def _aio_setting(text: str) -> tuple[int, int, int, str, str]:
+    text, _, policy = text.partition("@")
     text, _, gemm = text.partition(":")
     shape, _, budget = text.partition("/")
     workers, threads = (int(x) for x in shape.split("x"))
-    return workers, threads, int(budget or 8192), gemm or "onednn"
+    return workers, threads, int(budget or 8192), gemm or "onednn", policy or "forward"
 
 
 async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[list[int]]]) -> dict:
@@ -258,10 +259,12 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
     async with contextlib.AsyncExitStack() as stack:
         engines = []
         for text in args.aio:
-            workers, threads, budget, gemm = _aio_setting(text)
+            workers, threads, budget, gemm, policy = _aio_setting(text)
             os.environ["AIOPREFILL_CPU_GEMM"] = gemm  # the workers inherit it
             model = PaddleModel.from_pretrained(gguf, device="cpu", num_threads=threads)
-            config = EngineConfig(model=model, num_workers=workers, max_batch_tokens=budget)
+            config = EngineConfig(
+                model=model, num_workers=workers, max_batch_tokens=budget, policy=policy
+            )
             engine = await stack.enter_async_context(Engine(config))
             meter.ours += engine.worker_pids()
             await engine.prefill(workloads["64x280"][0])  # warm-up
@@ -382,7 +385,7 @@ def main() -> None:
 
     args.aio, args.ct2 = args.aio.split(","), args.ct2.split(",")
     for text in args.aio:
-        workers, threads, _, gemm = _aio_setting(text)
+        workers, threads, _, gemm, _ = _aio_setting(text)
         assert workers * threads == args.threads and gemm in ("onednn", "mkl"), text
     for text in args.ct2:
         inter, rest = text.split("x")
