@@ -33,7 +33,8 @@ class ForwardPolicy(DispatchPolicy):
         self, sched: Scheduler, groups: Groups, timer: Timer, *, batch_timeout_ms: float
     ) -> None:
         super().__init__(sched, groups, timer, batch_timeout_ms=batch_timeout_ms)
-        self.share = FairShare()
+        # (one group: nothing to share, and its path stays as it was)
+        self.share = FairShare() if self.sharing and len(groups.slots) > 1 else None
 
     def on_arrival(self) -> None:
         sched = self.sched
@@ -49,21 +50,25 @@ class ForwardPolicy(DispatchPolicy):
 
     def on_forward_done(self, group: int) -> None:
         g = self.groups.slots[group]
-        self.share.ended_unless_in(group, g.in_flight)
+        if self.share is not None:
+            self.share.ended_unless_in(group, g.in_flight)
         if not g.in_flight and g.ready:  # (not a dead group's last words)
             self._dispatch(group, backlogged=True)
 
     def on_answer_waiting(self, group: int) -> None:
         # The answered batch is still in flight; `on_forward_done` then sees this new one.
-        self.share.ended(group, self.groups.slots[group].in_flight[0])
+        if self.share is not None:
+            self.share.ended(group, self.groups.slots[group].in_flight[0])
         self._dispatch(group, backlogged=True)
 
     def _dispatch(self, group: int, *, backlogged: bool) -> None:
-        share = None
-        if self.sharing:
-            share = self.share.share(group, self.groups.slots, self.sched.pending_tokens)
+        fair = self.share
+        if fair is None:
+            self.sched.dispatch(group, self.groups, backlogged=backlogged)
+            return
+        share = fair.share(group, self.groups.slots, self.sched.pending_tokens)
         if self.sched.dispatch(group, self.groups, backlogged=backlogged, share=share):
-            self.share.sent(group, self.groups.slots[group].in_flight[-1])
+            fair.sent(group, self.groups.slots[group].in_flight[-1])
 
 
 class GreedyForwardPolicy(ForwardPolicy):
