@@ -17,11 +17,14 @@ back to the queue first. Idle groups get their share at once (`ForwardPolicy.on_
 each), a busy group's at its forward's end; no group idles while work waits, since every group
 takes at least one request whenever it is free.
 
-Why not more: the makespan of the pending work is `max(fixed + b*x, t_other + fixed +
-b*(P - x))` for the part `x` this group takes; both sides pay one fixed cost, so the best `x`
-is the fair share above whatever the fixed cost (GPU-class forwards included). A split costs
-throughput only when it leaves a group a forward it would not have run: with work pending, every
-group runs back to back either way.
+Why this share: the pending work `P` ends at `max(fixed + b*x, t_other + fixed + b*(P - x))`
+for the part `x` this group takes (`b` the cost per token, `t_other` when the next other group
+is free): both sides pay one fixed cost, so the fair share is the best split for the burst at
+hand. But a split also gives the other group a forward it might not have run, and with
+requests still arriving that group is then busy when they come; on a GPU-class forward (fixed
+cost ~10 ms, ~26 us a token) packing more into one forward is nearly free. So a group splits
+only when the part it leaves costs at least one forward's fixed cost to run
+(`(P - share) * per_token >= fixed`); otherwise it takes all it can, as before.
 Only whole-prompt requests are shared: a prompt's chunks stay on the group holding its KV cache,
 and requests the prefix cache homes on another group still wait for it (`BatchPlan.elsewhere`).
 """
@@ -96,10 +99,14 @@ class FairShare:
         return left
 
     def share(self, group: int, groups: Sequence[Group], pending_tokens: int) -> int | None:
-        """The tokens `group` should take now; None when it is the only usable group."""
+        """The tokens `group` should take now; None (all it can) when it is the only usable
+        group, or when the part it would leave costs less than a forward's fixed cost."""
         usable = [g for g in groups if g.usable]
         if len(usable) < 2:
             return None
         now = self.clock()
         others = sum(self.to_run(g, now) for g in usable if g.index != group)
-        return -int(-(pending_tokens + others) // len(usable))
+        share = -int(-(pending_tokens + others) // len(usable))
+        if self.ns_per_token and (pending_tokens - share) * self.ns_per_token < self.fixed_ns:
+            return None  # what it would leave is not worth another forward's fixed cost
+        return share
