@@ -19,9 +19,11 @@ return_scores=True)`); `score` adds every prompt position's log-probability (aio
 the burst's wall time.
 
 Settings, each side on `--threads` CPU threads in all:
-- aioprefill `WxT[/B][:gemm]`: W workers of T threads, `max_batch_tokens` B (default 8192), the
-  worker's CPU product path `gemm` (`onednn` or `mkl`: `AIOPREFILL_CPU_GEMM`, see
-  `aioprefill/workers/paddle_env.py`);
+- aioprefill `WxT[/B][:gemm][@policy]`: W workers of T threads, `max_batch_tokens` B (default
+  8192), the worker's CPU product path `gemm` (`onednn` or `mkl`: `AIOPREFILL_CPU_GEMM`, see
+  `aioprefill/workers/paddle_env.py`), the dispatch `policy` (default `forward`;
+  `forward-greedy`: the rule before the fair share); the prefix cache off (CTranslate2 keeps
+  none, and every round repeats the same prompts);
 - CTranslate2 `IxT/B`: `inter_threads` I, `intra_threads` T, `max_batch_size` B (0: one batch).
 
 Every round runs every (side, setting, workload, mode) once, in the same order, so each sees the
@@ -262,8 +264,12 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
             workers, threads, budget, gemm, policy = _aio_setting(text)
             os.environ["AIOPREFILL_CPU_GEMM"] = gemm  # the workers inherit it
             model = PaddleModel.from_pretrained(gguf, device="cpu", num_threads=threads)
-            config = EngineConfig(
-                model=model, num_workers=workers, max_batch_tokens=budget, policy=policy
+            config = EngineConfig(  # no prefix cache: the rounds repeat the same prompts
+                model=model,
+                num_workers=workers,
+                max_batch_tokens=budget,
+                policy=policy,
+                prefix_cache_bytes=0,
             )
             engine = await stack.enter_async_context(Engine(config))
             meter.ours += engine.worker_pids()
