@@ -116,7 +116,8 @@ def ct2_side() -> None:
         )
         gens.append((g, int(size)))
     # warm-up
-    gens[0][0].generate_batch(workloads["64x280"][:2], max_length=1, include_prompt_in_result=False)
+    first = next(iter(workloads.values()))
+    gens[0][0].generate_batch(first[:2], max_length=1, include_prompt_in_result=False)
     print(json.dumps({"version": ctranslate2.__version__, "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
@@ -273,7 +274,7 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
             )
             engine = await stack.enter_async_context(Engine(config))
             meter.ours += engine.worker_pids()
-            await engine.prefill(workloads["64x280"][0])  # warm-up
+            await engine.prefill(next(iter(workloads.values()))[0])  # warm-up
             engines.append(engine)
         for index in range(args.rounds):
             got: dict = {"load_avg_1m": os.getloadavg()[0], "runs": {}, "per_cpu_s": {}}
