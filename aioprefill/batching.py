@@ -1,30 +1,27 @@
 """Batch forming: pure bookkeeping over plain data, no asyncio, no I/O, no writes to requests.
 
 *What* goes into a batch is the same for every dispatch policy (`take_batch`): first come,
-first served within `max_batch_tokens` and `max_batch_size`. A prompt longer than
-`max_batch_tokens` is split into chunks that run over consecutive forwards on one worker group
-(which keeps its KV cache between them). When short requests wait behind such a prompt, they get
-up to half of each forward's token budget, so a 32k-token prompt does not hold everyone behind
-it for its whole duration; alone, it takes the full budget.
+first served within `max_batch_tokens` and `max_batch_size` (and, with several groups under
+policy ``forward``, the group's fair share of the pending work: `policies/share.py`). A prompt
+longer than `max_batch_tokens` is split into chunks that run over consecutive forwards on one
+worker group (which keeps its KV cache between them); short requests behind it get up to half
+of each forward's budget, so it does not hold everyone for its whole duration.
 
 These functions only *propose*: they never change a `Request`. The `Scheduler` marks a batch's
 requests dispatched once the pool has accepted it, so a full ring needs no rollback of fields.
 `Columns` (`aioprefill.columns`) is the one place where a request's wire columns are produced.
 
 With the prefix cache, `take_batch` gets the group's `BatchPlan`: a request's first chunk costs
-only its uncached tokens in the budget (blocks the group holds, or that a request ahead of it in
-the same batch writes), and with several groups the plan may leave a request to the group that
-holds more of its prompt, its home (`aioprefill.prefix.cache` states the rule). The staged
-batch is formed before its group is known, so with several groups it only takes prompts the
-cache cannot touch (no full block); with one group also those whose first block it does not
-hold, planning their reads and writes as they join (`StagedBatch`).
+only its uncached tokens (blocks the group holds, or that a request ahead of it in the batch
+writes), and with several groups the plan may leave a request to its home, the group holding
+more of its prompt (`aioprefill.prefix.cache`). The staged batch is formed before its group is
+known: with several groups it takes only prompts without a full block; with one group also
+those whose first block it does not hold, their reads and writes planned as they join.
 
-Expert-parallel ranks run different batches but step together: each MoE layer exchanges tokens
-between them, so every rank must run every step, and a rank with no work gets an empty batch
-(only when a peer got work: with nothing pending, no step at all). `split_step` decides who
-runs what in the next step: late binding (a request goes to whichever rank has room when the
-step forms) and balance by tokens (the step lasts as long as its fullest rank), within the
-usual batch budgets, first come first served.
+Expert-parallel ranks step together (each MoE layer exchanges tokens), so every rank runs
+every step, an empty batch if it got no work (with nothing pending, no step). `split_step`
+decides who runs what: late binding (a request goes to whichever rank has room when the step
+forms), balanced by tokens, within the batch budgets, first come first served.
 """
 
 from __future__ import annotations
@@ -54,17 +51,21 @@ __all__ = [
 
 
 def take_batch(
-    pending: deque[Request], worker: int, budget: Budget, plan: BatchPlan | None = None
+    pending: deque[Request],
+    worker: int,
+    budget: Budget,
+    plan: BatchPlan | None = None,
+    share: int | None = None,
 ) -> list[Chunk]:
     """Remove and return the next batch for group `worker`, first come first served.
 
-    Skips (and drops) cancelled requests; skips requests pinned to another group or whose
-    previous chunk is still running, leaving them in place. Stops at the first short request
-    that does not fit, so no request is overtaken by a later one of its size class. Requests
-    whose last chunk is in the batch leave `pending`; the others stay at their position.
-    Changes no request: the caller marks the chunks sent once they are. With a `plan` (the
-    group's prefix cache), a first chunk costs its uncached tokens and its reads and writes are
-    placed; requests the plan leaves to their home group stay queued.
+    Skips (and drops) cancelled requests, and leaves in place those pinned to another group or
+    whose previous chunk still runs. Stops at the first short request that does not fit (no
+    later one of its size class overtakes it), or, with a `share` (tokens:
+    `policies/share.py`), at the first that would put the batch's midpoint past it (one joins
+    at least). Requests whose last chunk is in the batch leave `pending`, the others keep their
+    place; no request is changed. With a `plan` (the group's prefix cache), a first chunk costs
+    its uncached tokens, its reads and writes are placed, and requests homed elsewhere wait.
     """
     chunks: list[Chunk] = []
     kept: list[Request] = []  # requests looked at but left in the queue, in their order
@@ -95,7 +96,9 @@ def take_batch(
                 long_req, long_cached = req, cached  # its chunk takes what the others leave
             continue
         # Short requests behind a long prompt get at most half of the budget.
-        if tokens + n > (max_tokens if long_req is None else max_tokens - max_tokens // 2):
+        if tokens + n > (max_tokens if long_req is None else max_tokens - max_tokens // 2) or (
+            share is not None and chunks and 2 * tokens + n >= 2 * share
+        ):
             kept.append(req)
             break
         end = req.num_tokens
@@ -297,10 +300,8 @@ def split_step(pending: deque[Request], num_ranks: int, budget: Budget) -> list[
     else to the rank with the fewest tokens so far that has room for it. A long prompt (over
     `max_batch_tokens`, chunking on) sends one chunk per step, as large as its rank has room
     for, at most one long prompt per rank. The first short unpinned request that no rank has
-    room for ends the step, so no request overtakes an earlier one of its size class. Skips
-    (and drops) cancelled requests and skips those whose previous chunk still runs. Requests
-    whose last chunk is taken leave `pending`; the others keep their place. Changes no
-    request: the caller marks the chunks sent once they are.
+    room for ends the step (first come first served). Skips (and drops) cancelled requests and
+    those whose previous chunk still runs. Requests whose last chunk is taken leave `pending`.
     """
     max_tokens, max_size = budget.max_batch_tokens, budget.max_batch_size
     long_threshold = max_tokens if budget.chunked else 1 << 62

@@ -31,7 +31,8 @@ __all__ = [
     "SimModel",
 ]
 
-POLICIES = ("forward", "eager", "timeout", "ep-timer")  # ep-timer: a baseline, see parallel.py
+# ep-timer, forward-greedy: baselines (parallel.py; policies/forward.py)
+POLICIES = ("forward", "eager", "timeout", "ep-timer", "forward-greedy")
 
 PADDLE_EXTRA_HINT = (
     "pip install 'aioprefill[paddle]' (on a CUDA machine: paddlepaddle-gpu and safetensors)"

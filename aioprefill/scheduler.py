@@ -87,9 +87,7 @@ class Scheduler:
 
     def cancel(self, req: Request) -> int:
         """The caller went away: drop `req` wherever it is (it leaves the queue lazily).
-
-        Returns the group holding its KV cache between two chunks (to be freed), else -1.
-        """
+        Returns the group holding its KV cache between two chunks (to be freed), else -1."""
         req.cancelled = True
         self.num_in_flight -= 1
         if req.next_pos < req.num_tokens:
@@ -116,9 +114,14 @@ class Scheduler:
 
     # ---- dispatch -------------------------------------------------------------------------
 
-    def dispatch(self, group: int, sink: BatchSink, *, backlogged: bool) -> bool:
-        """Send the next FCFS batch for `group`: the staged one if any (O(1) before the write)."""
+    def dispatch(
+        self, group: int, sink: BatchSink, *, backlogged: bool, share: int | None = None
+    ) -> bool:
+        """Send the next FCFS batch for `group`: the staged one if any (O(1) before the write),
+        unless it is over `share`, the tokens `group` should take (`take_batch`)."""
         staged = self.staged
+        if staged.requests and share is not None and staged.cost > share:
+            self.pending.extendleft(reversed(staged.clear()))
         if staged.requests:
             if staged.has_cancelled:
                 staged.drop_cancelled()
@@ -137,7 +140,7 @@ class Scheduler:
                     batch.pins = plan.commit()
                 return True
         plan = self._plan(group, sink, route=True)
-        chunks = take_batch(self.pending, group, self.budget, plan)
+        chunks = take_batch(self.pending, group, self.budget, plan, share)
         if not chunks:
             return False
         if self._send(group, sink, chunks, plan, backlogged):
@@ -245,10 +248,8 @@ class Scheduler:
     def dispatch_alone(
         self, req: Request, group: int, sink: BatchSink, *, backlogged: bool
     ) -> bool:
-        """Send the rest of `req` (the queue's head) to `group`, each chunk its own batch.
-
-        On a full ring `req` stays at the head, from its first unsent chunk: False.
-        """
+        """Send the rest of `req` (the queue's head) to `group`, each chunk its own batch; on a
+        full ring `req` stays at the head, from its first unsent chunk: False."""
         pending = self.pending
         pending.popleft()
         n = req.num_tokens

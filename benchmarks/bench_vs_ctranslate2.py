@@ -19,9 +19,11 @@ return_scores=True)`); `score` adds every prompt position's log-probability (aio
 the burst's wall time.
 
 Settings, each side on `--threads` CPU threads in all:
-- aioprefill `WxT[/B][:gemm]`: W workers of T threads, `max_batch_tokens` B (default 8192), the
-  worker's CPU product path `gemm` (`onednn` or `mkl`: `AIOPREFILL_CPU_GEMM`, see
-  `aioprefill/workers/paddle_env.py`);
+- aioprefill `WxT[/B][:gemm][@policy]`: W workers of T threads, `max_batch_tokens` B (default
+  8192), the worker's CPU product path `gemm` (`onednn` or `mkl`: `AIOPREFILL_CPU_GEMM`, see
+  `aioprefill/workers/paddle_env.py`), the dispatch `policy` (default `forward`;
+  `forward-greedy`: the rule before the fair share); the prefix cache off (CTranslate2 keeps
+  none, and every round repeats the same prompts);
 - CTranslate2 `IxT/B`: `inter_threads` I, `intra_threads` T, `max_batch_size` B (0: one batch).
 
 Every round runs every (side, setting, workload, mode) once, in the same order, so each sees the
@@ -114,7 +116,8 @@ def ct2_side() -> None:
         )
         gens.append((g, int(size)))
     # warm-up
-    gens[0][0].generate_batch(workloads["64x280"][:2], max_length=1, include_prompt_in_result=False)
+    first = next(iter(workloads.values()))
+    gens[0][0].generate_batch(first[:2], max_length=1, include_prompt_in_result=False)
     print(json.dumps({"version": ctranslate2.__version__, "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
@@ -212,11 +215,12 @@ def real_prompts(gguf: Path) -> list[list[int]]:
 # ---------------------------------------------------------------- aioprefill side
 
 
-def _aio_setting(text: str) -> tuple[int, int, int, str]:
+def _aio_setting(text: str) -> tuple[int, int, int, str, str]:
+    text, _, policy = text.partition("@")
     text, _, gemm = text.partition(":")
     shape, _, budget = text.partition("/")
     workers, threads = (int(x) for x in shape.split("x"))
-    return workers, threads, int(budget or 8192), gemm or "onednn"
+    return workers, threads, int(budget or 8192), gemm or "onednn", policy or "forward"
 
 
 async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[list[int]]]) -> dict:
@@ -258,13 +262,19 @@ async def run(args: argparse.Namespace, gguf: Path, workloads: dict[str, list[li
     async with contextlib.AsyncExitStack() as stack:
         engines = []
         for text in args.aio:
-            workers, threads, budget, gemm = _aio_setting(text)
+            workers, threads, budget, gemm, policy = _aio_setting(text)
             os.environ["AIOPREFILL_CPU_GEMM"] = gemm  # the workers inherit it
             model = PaddleModel.from_pretrained(gguf, device="cpu", num_threads=threads)
-            config = EngineConfig(model=model, num_workers=workers, max_batch_tokens=budget)
+            config = EngineConfig(  # no prefix cache: the rounds repeat the same prompts
+                model=model,
+                num_workers=workers,
+                max_batch_tokens=budget,
+                policy=policy,
+                prefix_cache_bytes=0,
+            )
             engine = await stack.enter_async_context(Engine(config))
             meter.ours += engine.worker_pids()
-            await engine.prefill(workloads["64x280"][0])  # warm-up
+            await engine.prefill(next(iter(workloads.values()))[0])  # warm-up
             engines.append(engine)
         for index in range(args.rounds):
             got: dict = {"load_avg_1m": os.getloadavg()[0], "runs": {}, "per_cpu_s": {}}
@@ -382,7 +392,7 @@ def main() -> None:
 
     args.aio, args.ct2 = args.aio.split(","), args.ct2.split(",")
     for text in args.aio:
-        workers, threads, _, gemm = _aio_setting(text)
+        workers, threads, _, gemm, _ = _aio_setting(text)
         assert workers * threads == args.threads and gemm in ("onednn", "mkl"), text
     for text in args.ct2:
         inter, rest = text.split("x")

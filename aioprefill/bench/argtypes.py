@@ -24,6 +24,7 @@ __all__ = [
 
 POLICIES = ("forward", "eager", "timeout")  # the contract's policy names, in the default order
 EP_POLICIES = ("forward", "ep-timer")  # with --ep: on-demand lockstep vs the fixed-rate baseline
+BASELINES = ("forward-greedy",)  # forward without the fair share (policies/forward.py)
 
 
 class Parser(argparse.ArgumentParser):
@@ -67,10 +68,10 @@ def lengths(text: str) -> LengthSpec:
 def policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",")]
     for name in names:
-        if name not in (*POLICIES, *EP_POLICIES):
+        if name not in (*POLICIES, *EP_POLICIES, *BASELINES):
             raise argparse.ArgumentTypeError(
-                f"unknown policy {name!r}; choose from {', '.join(POLICIES)} (or with --ep: "
-                f"{', '.join(EP_POLICIES)})"
+                f"unknown policy {name!r}; choose from {', '.join((*POLICIES, *BASELINES))} (or "
+                f"with --ep: {', '.join(EP_POLICIES)})"
             )
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"a policy is listed twice in {text!r}")

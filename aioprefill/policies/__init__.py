@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from aioprefill.policies.base import DispatchPolicy, Groups, Timer
 from aioprefill.policies.eager import EagerPolicy
-from aioprefill.policies.forward import ForwardPolicy
+from aioprefill.policies.forward import ForwardPolicy, GreedyForwardPolicy
 from aioprefill.policies.lockstep import LockstepPolicy, TimerLockstepPolicy
 from aioprefill.policies.timeout import TimeoutPolicy
 
@@ -19,6 +19,7 @@ __all__ = [
     "DispatchPolicy",
     "EagerPolicy",
     "ForwardPolicy",
+    "GreedyForwardPolicy",
     "Groups",
     "LockstepPolicy",
     "TimeoutPolicy",
@@ -29,6 +30,7 @@ __all__ = [
 
 _POLICIES: dict[str, type[DispatchPolicy]] = {
     "forward": ForwardPolicy,
+    "forward-greedy": GreedyForwardPolicy,  # a baseline: the forward policy without sharing
     "eager": EagerPolicy,
     "timeout": TimeoutPolicy,
 }

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Sized
+from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
 from aioprefill.batching import Columns
 from aioprefill.scheduler import InFlight, Scheduler
 
-__all__ = ["DispatchPolicy", "Group", "Groups", "Timer"]
+__all__ = ["Batch", "DispatchPolicy", "Group", "Groups", "Timer"]
+
+
+class Batch(Protocol):
+    """What a policy reads of a batch in flight (an `InFlightBatch`)."""
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class Group(Protocol):
@@ -21,7 +28,7 @@ class Group(Protocol):
     @property
     def usable(self) -> bool: ...  # ready and its ring had room at the last send
     @property
-    def in_flight(self) -> Sized: ...  # batches sent and not yet answered
+    def in_flight(self) -> Sequence[Batch]: ...  # batches sent and not yet answered, oldest first
 
 
 class Groups(Protocol):

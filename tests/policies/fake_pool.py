@@ -113,6 +113,9 @@ class Harness:
         )
         self.answered: list[int] = []
         self._now = 0
+        share = getattr(self.policy, "share", None)
+        if share is not None:  # the fair share times forwards on the harness's clock
+            share.clock = lambda: self._now
 
     def check(self) -> None:
         self.sched.check_invariants(self.pool.in_flight_batches())
@@ -128,8 +131,11 @@ class Harness:
         self.check()
         return req
 
-    def done(self, group: int, *, early: bool = False) -> FakeBatch:
-        """`group` answers the batch at the head of its ring (first, `early`: the peek)."""
+    def done(self, group: int, *, early: bool = False, at_ns: int | None = None) -> FakeBatch:
+        """`group` answers the batch at the head of its ring (first, `early`: the peek), at
+        `at_ns` on the harness's clock if given."""
+        if at_ns is not None:
+            self._now = at_ns
         g = self.pool.slots[group]
         if early and self.policy.early and len(g.in_flight) == 1 and self.sched.num_pending:
             self.sched.release(g.in_flight[0].chunks)
