@@ -326,9 +326,7 @@ class Scheduler:
 
     def requeue_first(self, requests: list[Request]) -> None:
         """Put retried requests at the head, before the staged ones (they are older)."""
-        if not requests:
-            return
-        if self.staged.requests:
+        if requests and self.staged.requests:
             self.pending.extendleft(reversed(self.staged.clear()))
         self.pending.extendleft(reversed(requests))
 
