@@ -146,9 +146,11 @@ def run_arm(name: str, python: Path, tokenizer: Path, args: argparse.Namespace) 
         got.update(client_cpu_s=child_cpu_s() - before, server_cpu_s=0.0, model_args=model_args)
         return got
     with server(args, cache=name == "serve") as (proc, url, flags):
-        model_args = (f"base_url={url}/v1/completions,tokenizer={tokenizer},"
-                      "tokenized_requests=True,model=smollm2,max_retries=1,"
-                      f"num_concurrent={args.num_concurrent},batch_size={args.client_batch}")
+        model_args = (
+            f"base_url={url}/v1/completions,tokenizer={tokenizer},"
+            "tokenized_requests=True,model=smollm2,max_retries=1,"
+            f"num_concurrent={args.num_concurrent},batch_size={args.client_batch}"
+        )
         env.update(OMP_NUM_THREADS="1")  # the client computes nothing
         before, server_before = child_cpu_s(), tree_cpu_s(proc.pid)
         got = lm_eval(python, "local-completions", model_args, args, env)
@@ -218,14 +220,18 @@ def main() -> None:
               f"{got['metrics']['acc']:.4f}  requests {got['requests']}  cache hit "
               f"{hit:.3f}  load avg {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
     for name, got in runs.items():
-        print(f"{name} model_args: {got[0]['model_args']}"
-              + (f"\n{name} server: {got[0]['server_flags']}" if "server_flags" in got[0] else ""))
+        print(
+            f"{name} model_args: {got[0]['model_args']}"
+            + (f"\n{name} server: {got[0]['server_flags']}" if "server_flags" in got[0] else "")
+        )
     med = {n: statistics.median(g["loglikelihood_s"] for g in rs) for n, rs in runs.items()}
     tot = {n: statistics.median(g["load_s"] + g["evaluate_s"] for g in rs)
            for n, rs in runs.items()}  # fmt: skip
     for other in [n for n in runs if n != "hf"]:
-        print(f"hf / {other}: requests {med['hf'] / med[other]:.2f}x faster, "
-              f"load + evaluate {tot['hf'] / tot[other]:.2f}x (medians)")
+        print(
+            f"hf / {other}: requests {med['hf'] / med[other]:.2f}x faster, "
+            f"load + evaluate {tot['hf'] / tot[other]:.2f}x (medians)"
+        )
         for r in runs[other]:
             print(f"  {other} vs hf: {agree(r, runs['hf'][0])}")
     if len(runs["hf"]) > 1:
