@@ -227,14 +227,14 @@ def main() -> None:
     med = {n: statistics.median(g["loglikelihood_s"] for g in rs) for n, rs in runs.items()}
     tot = {n: statistics.median(g["load_s"] + g["evaluate_s"] for g in rs)
            for n, rs in runs.items()}  # fmt: skip
-    for other in [n for n in runs if n != "hf"]:
+    for other in [n for n in runs if n != "hf" and "hf" in runs]:
         print(
             f"hf / {other}: requests {med['hf'] / med[other]:.2f}x faster, "
             f"load + evaluate {tot['hf'] / tot[other]:.2f}x (medians)"
         )
         for r in runs[other]:
             print(f"  {other} vs hf: {agree(r, runs['hf'][0])}")
-    if len(runs["hf"]) > 1:
+    if len(runs.get("hf", [])) > 1:
         print(f"  hf vs hf: {agree(runs['hf'][1], runs['hf'][0])}")
 
 
