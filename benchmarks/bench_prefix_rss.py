@@ -10,12 +10,14 @@ requests in flight, arrival times ignored: this measures memory, not latency), o
 the worker's /proc/PID/status (VmRSS, RssAnon, VmHWM) every `--sample-s` seconds. Printed per
 budget: RSS idle (after start), at each quarter of the requests, the peak and VmHWM, the
 growth over the second half (where a leak would show: the cache is full by then and every
-write evicts), the slots the budget buys and the bytes they hold, evictions and hit ratio; then
+write evicts) and after each of `--passes` replays of the same requests in the same engine (a
+leak grows pass after pass; the allocator's high-water mark of the largest batches does not),
+the slots the budget buys and the bytes they hold, evictions and hit ratio; then
 each budget's peak against the cache-off peak plus the budget: the overhead X in
 "RSS <= RSS(cache off) + budget + X".
 
     python benchmarks/bench_prefix_rss.py [--requests 3993] [--budgets 64MiB,off,16MiB]
-        [--trace-block-tokens 8] [--concurrency 16] [--json FILE]
+        [--passes 1] [--trace-block-tokens 8] [--concurrency 16] [--json FILE]
 """
 
 from __future__ import annotations
@@ -83,8 +85,11 @@ async def replay(prompts: list[np.ndarray], budget: int, args: argparse.Namespac
                 done += 1
 
         sampler = asyncio.create_task(sample())
-        queue = prompts[::-1]  # clients pop from the end: trace order
-        await asyncio.gather(*(client(queue) for _ in range(args.concurrency)))
+        ends = []  # VmRSS (KiB) after each pass over the trace
+        for _ in range(args.passes):
+            queue = prompts[::-1]  # clients pop from the end: trace order
+            await asyncio.gather(*(client(queue) for _ in range(args.concurrency)))
+            ends.append(status_kib(pid)["VmRSS"])
         finished.set()
         await sampler
         end = status_kib(pid)
@@ -92,7 +97,7 @@ async def replay(prompts: list[np.ndarray], budget: int, args: argparse.Namespac
         cache = engine.stats().prefix_cache
     rss = np.array([s[2] for s in samples]) / 1024
     reqs = np.array([s[1] for s in samples])
-    n = len(prompts)
+    n = len(prompts) * args.passes
     quarter = [float(rss[min(np.searchsorted(reqs, q * n // 4), len(rss) - 1)]) for q in (1, 2, 3)]
     half = reqs >= n // 2
     return {
@@ -100,6 +105,7 @@ async def replay(prompts: list[np.ndarray], budget: int, args: argparse.Namespac
         "seconds": samples[-1][0],
         "idle_mib": idle["VmRSS"] / 1024,
         "quarters_mib": [*quarter, float(rss[-1])],
+        "pass_ends_mib": [e / 1024 for e in ends],
         "peak_mib": float(rss.max()),
         "hwm_mib": end["VmHWM"] / 1024,
         "anon_idle_mib": idle["RssAnon"] / 1024,
@@ -120,6 +126,7 @@ def main() -> None:
     ap.add_argument("--trace-block-tokens", type=int, default=8, help="tokens per hash id")
     ap.add_argument("--budgets", default="64MiB,off,16MiB", help="prefix_cache_bytes each")
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--passes", type=int, default=1, help="replay the requests this many times")
     ap.add_argument("--threads", type=int, default=1, help="the worker's CPU threads")
     ap.add_argument("--sample-s", type=float, default=0.25)
     ap.add_argument("--json", help="write every figure and sample here")
@@ -138,7 +145,8 @@ def main() -> None:
         q = " / ".join(f"{x:.0f}" for x in r["quarters_mib"])
         print(f"{name:>7}: {r['seconds']:5.0f} s  RSS idle {r['idle_mib']:.0f} MiB, at 1/4 2/4 "
               f"3/4 4/4 of the requests {q}, peak {r['peak_mib']:.0f} (VmHWM "
-              f"{r['hwm_mib']:.0f}), second half +{r['second_half_growth_mib']:.1f} MiB; "
+              f"{r['hwm_mib']:.0f}), second half +{r['second_half_growth_mib']:.1f} MiB, after "
+              f"each pass {' / '.join(f'{e:.0f}' for e in r['pass_ends_mib'])}; "
               f"{r['capacity_blocks']} slots, {r['held_bytes'] / MIB:.1f} MiB held, "
               f"{r['evictions']:,} evictions, hit ratio {r['hit_ratio']:.3f}",
               flush=True)  # fmt: skip
