@@ -337,7 +337,7 @@ def _log_softmax_rows(logits: paddle.Tensor, kmax: int, targets: np.ndarray | No
     lse = best.astype(np.float64) + np.log(np.exp(lg - best[:, None]).sum(-1, dtype=np.float64))
     vals, tops = np.empty((len(lg), 0), np.float32), np.empty((len(lg), 0), np.int32)
     if kmax == 1:  # the argmax: its first maximum is the lowest id, as the tie rule below
-        tops, vals = arg[:, None].astype(np.int32), best[:, None]
+        tops, vals = arg[:, None].astype(np.int32), lg[np.arange(len(lg)), arg][:, None]
     elif kmax:
         part = np.argpartition(-lg, kmax - 1, axis=-1)[:, :kmax]
         pv = np.take_along_axis(lg, part, axis=-1)
