@@ -198,11 +198,13 @@ def main() -> None:
     ap.add_argument("--num-concurrent", type=int, default=8, help="lm-eval num_concurrent")
     ap.add_argument("--client-batch", type=int, default=1, help="lm-eval prompts per request")
     ap.add_argument("--hf-batch", type=int, default=1, help="lm-eval hf batch_size")
-    ap.add_argument("--arms", default="hf,serve", help="the A and B arms")
+    ap.add_argument("--arms", default="hf,serve", help="the A and B arms: hf, serve, serve-off")
     args = ap.parse_args()
     python = refvenv.ensure()
     tokenizer = tokenizer_dir(python)
     a, b = args.arms.split(",")
+    if not {a, b} <= {"hf", "serve", "serve-off"}:
+        raise SystemExit(f"--arms: two of hf, serve, serve-off, got {args.arms!r}")
     order = [x for r in range(args.rounds) for x in ((a, b) if r % 2 == 0 else (b, a))]
     if args.cache_off:
         order.append("serve-off")
