@@ -33,17 +33,16 @@ from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 __all__ = ["Cached", "OutputHead", "Prefixes", "host"]
 
-# Prompt log-probabilities run the head over at most this many rows at a time (without
-# deterministic tiles): 128 rows of SmolLM2's logits (25 MB) stay in cache for the log-softmax;
-# 2048 rows took 2.04 s against 2.51 s in tiles of 512 (benchmarks/bench_gemm.py).
+# Prompt log-probabilities: the head over at most this many rows at a time (not deterministic):
+# 128 rows of SmolLM2's logits (25 MB) stay in cache; 2048 rows took 2.04 s vs 2.51 s in 512s.
 _MAX_ROWS = 128
 _EMBED = protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN
 
 
 class Cached(NamedTuple):
     """A chunk's cached positions [0, n): their hidden rows [n, hidden] (before the final norm)
-    and token ids int32[n], and, when the slots kept them, the prompt outputs of each token
-    (logprob float32[n], top-k ids int32[n, k] and logprobs float32[n, k]; token 0's unused)."""
+    and token ids int32[n], and the prompt outputs the leading slots kept, positions [0, m <= n)
+    (logprob float32[m], top-k ids int32[m, k], logprobs float32[m, k]; token 0's unused)."""
 
     hidden: paddle.Tensor
     tokens: np.ndarray
@@ -194,14 +193,14 @@ class OutputHead:
             parts, targets = groups.setdefault(bool(wants_top[i]), ([], []))
             carried = self._carry.pop(rids[i], None)
             rows, kept = 0, None
-            if i in prefixes:  # cached positions: kept values, or the head on their hidden rows
+            if i in prefixes:  # cached positions: kept values [1, m), the head on the rest
                 hidden, tokens, scores = prefixes[i]
-                if scores is not None:
-                    kept = tuple(a[1:] for a in scores)
-                elif len(tokens) > 1:
-                    parts.append(hidden[:-1])
-                    targets.append(tokens[1:])
-                    rows += len(tokens) - 1
+                kept = None if scores is None else tuple(a[1:] for a in scores)
+                m = 1 if scores is None else max(len(scores[0]), 1)
+                if len(tokens) > m:
+                    parts.append(hidden[m - 1 : -1])
+                    targets.append(tokens[m:])
+                    rows += len(tokens) - m
                 carried = hidden[-1:]
             if carried is not None:  # the previous chunk's last row predicts this chunk's first
                 parts.append(carried)
@@ -336,9 +335,10 @@ def _log_softmax_rows(logits: paddle.Tensor, kmax: int, targets: np.ndarray | No
     best = np.take_along_axis(lg, arg[:, None], axis=-1)[:, 0]
     # exp(l - max) is in (0, 1]; summed with a float64 accumulator (see the module docstring).
     lse = best.astype(np.float64) + np.log(np.exp(lg - best[:, None]).sum(-1, dtype=np.float64))
-    vals = np.empty((len(lg), 0), np.float32)
-    tops = np.empty((len(lg), 0), np.int32)
-    if kmax:
+    vals, tops = np.empty((len(lg), 0), np.float32), np.empty((len(lg), 0), np.int32)
+    if kmax == 1:  # the argmax: its first maximum is the lowest id, as the tie rule below
+        tops, vals = arg[:, None].astype(np.int32), lg[np.arange(len(lg)), arg][:, None]
+    elif kmax:
         part = np.argpartition(-lg, kmax - 1, axis=-1)[:, :kmax]
         pv = np.take_along_axis(lg, part, axis=-1)
         order = np.lexsort((part, -pv), axis=-1)

@@ -12,7 +12,7 @@ The engine's plan for a chunk rides on the batch (`BatchPlan`). Inside the forwa
 - after the last layer (`after_layers`), the written blocks' hidden rows and token ids are
   stored, then each reading request gets its cached positions' hidden rows and tokens for the
   head (prompt log-probabilities, prompt top-k and mean pooling over them), and the prompt
-  outputs the slots kept when every slot kept them;
+  outputs its leading slots kept (up to the first that kept none);
 - after the head (`finish`), the prompt outputs of every written block that the chunk
   computed whole are kept in its slot;
 - a chunk that does not end its prompt keeps, in its `KVCache`, the hidden rows and tokens of
@@ -95,7 +95,7 @@ class PrefixForward:
     ) -> Prefixes:
         """Store the written blocks' hidden rows and tokens; then, per reading request (batch
         index), its cached positions' hidden rows (on the device), token ids and kept prompt
-        outputs (when it asks for prompt logprobs and every slot kept them)."""
+        outputs (when it asks for prompt logprobs: those of its leading slots that kept them)."""
         store, plan, b = self.store, self.plan, self.store.block_tokens
         for i, writes in enumerate(plan.writes):
             if not len(writes):

@@ -14,9 +14,10 @@ named. A slot holds one block of `block_tokens` prompt positions:
 - when the request that wrote it asked for prompt log-probabilities (and prompt top-k, up to
   `SCORED_TOP_K`) and computed every position of the block in the chunk that wrote it: those
   values, per token (its log-probability given the tokens before, the top-k of the position
-  before), exactly as that request's outputs held them. A reader whose slots all hold them takes
-  them as they are, so scoring a cached context (lm-eval sends every choice of a question as a
-  full prompt) runs the LM head only on the tokens it computes.
+  before), exactly as that request's outputs held them. A reader takes them as they are for the
+  run of its slots from the first that hold them, and runs the LM head on the rest (a block
+  written in the same forward holds none yet), so scoring a cached context (lm-eval sends every
+  choice of a question as a full prompt) runs the head only on the tokens not yet scored.
 
 Memory: one `np.empty` per array, allocated once at start for `prefix_cache_bytes //
 block_bytes` slots and never touched until written, so the worker's RSS grows with the slots
@@ -140,15 +141,21 @@ class BlockStore:
     def read_scores(
         self, slots: np.ndarray, top_k: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The kept prompt logprobs [n * B] and top-k [n * B, top_k] of `slots`, or None
-        unless every one of them holds them (with at least `top_k` of each position)."""
-        if int(self.scored[slots].min()) < top_k:
+        """The kept prompt logprobs [n * B] and top-k [n * B, top_k] of the first n of `slots`,
+        the longest run from the first that holds them (with at least `top_k` of each
+        position), or None when the first does not. A block written in this very forward
+        (piggyback) holds none yet: its readers' head runs on its rows only, not on the whole
+        prefix (lm-eval's choices of one question read the context's old blocks and the
+        question's new ones together)."""
+        held = self.scored[slots] >= top_k
+        n = len(slots) if held.all() else int(np.argmin(held))
+        if n == 0:
             return None
-        b = self.block_tokens
+        b, first = self.block_tokens, slots[:n]
         return (
-            self.logprobs[slots].reshape(-1),
-            self.top_ids[slots, :, :top_k].reshape(len(slots) * b, top_k),
-            self.top_logprobs[slots, :, :top_k].reshape(len(slots) * b, top_k),
+            self.logprobs[first].reshape(-1),
+            self.top_ids[first, :, :top_k].reshape(n * b, top_k),
+            self.top_logprobs[first, :, :top_k].reshape(n * b, top_k),
         )
 
 

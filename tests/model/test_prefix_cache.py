@@ -2,7 +2,8 @@
 the whole prompt computed from scratch answers, for every output option (bitwise with
 deterministic=True, within 1e-5 by default): hits of one block and of all but the last token,
 hits followed by more chunks, blocks written by a chunked prompt (a block straddling chunks), a
-request reading what an earlier one of the same batch writes, and the KV export."""
+request reading what an earlier one of the same batch writes (alone, and after blocks whose
+prompt outputs were kept), and the KV export."""
 
 from __future__ import annotations
 
@@ -157,6 +158,50 @@ def test_piggyback_in_one_batch(mode: str) -> None:
         )
         assert len(one.prompt_logprobs) == rows
         same(one, want, mode, f"request {i}")
+
+
+def _one(out: ForwardOutput, i: int, rows: slice, k: int) -> ForwardOutput:
+    """Request `i` of a batch's output (its prompt rows `rows`, `k` top-k per row)."""
+    return ForwardOutput(
+        request_ids=out.request_ids[i : i + 1] * 0,
+        tokens=out.tokens[i : i + 1],
+        logprobs=out.logprobs[i : i + 1],
+        top_k_ids=out.top_k_ids[k * i : k * i + k],
+        top_k_logprobs=out.top_k_logprobs[k * i : k * i + k],
+        prompt_logprobs=out.prompt_logprobs[rows],
+        prompt_top_k_ids=out.prompt_top_k_ids[k * rows.start : k * rows.stop],
+        prompt_top_k_logprobs=out.prompt_top_k_logprobs[k * rows.start : k * rows.stop],
+        embeddings=out.embeddings[i : i + 1],
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reader_of_kept_and_piggybacked_blocks(mode: str) -> None:
+    """lm-eval's choices of one question: the context's blocks were scored by an earlier
+    request (their prompt outputs kept), the question's block is written in this forward by
+    one choice and read by another. The reader takes the kept outputs of the old blocks, the
+    head computes the new block's and its own rows, and both answer as if alone (top-1: the
+    argmax, as the first of a top-3)."""
+    r = runner(mode)
+    context = prompt(32, seed=21)
+    run(r, [(context, 0)], ALL, [([], [54, 55], 0)], top_k=1)  # kept with 1 top-k each
+    question = np.concatenate([context, prompt(20, seed=22)])  # block 2: positions 32-47
+    a = np.concatenate([question, prompt(3, seed=23)])
+    b = np.concatenate([question, prompt(2, seed=24)])
+    want = [run(r, [(p, 0)], ALL, top_k=1) for p in (a, b)]
+    batch = with_options(
+        make_batch([a[32:], b[48:]], ids=[1, 2], starts=[32, 48]), [ALL] * 2, [1, 1]
+    )
+    out = r.forward(planned(batch, [[54, 55], [54, 55, 56]], [[56], []], [2, 0]))
+    assert out.request_ids.tolist() == [1, 2]
+    assert len(out.prompt_logprobs) == (len(a) - 1) + (len(b) - 1)
+    same(_one(out, 0, slice(0, len(a) - 1), 1), want[0], mode, "the writer")
+    same(_one(out, 1, slice(len(a) - 1, len(a) + len(b) - 2), 1), want[1], mode, "the reader")
+    top3 = run(r, [(a, 0)], ALL, top_k=3)
+    assert want[0].prompt_top_k_ids.tolist() == top3.prompt_top_k_ids[::3].tolist()
+    assert want[0].top_k_ids.tolist() == top3.top_k_ids[:1].tolist()
+    if mode == "deterministic":
+        assert want[0].prompt_top_k_logprobs.tolist() == top3.prompt_top_k_logprobs[::3].tolist()
 
 
 @pytest.mark.parametrize("mode", MODES)
