@@ -10,8 +10,8 @@ Routing (several data-parallel groups): a request's *home* is the group holding 
 prompt (blocks a batch in flight writes count: a prefix being computed already has a home). A
 group forming a batch leaves a request to its home when `2 * gain > wait` (`BatchPlan.elsewhere`:
 `gain` the tokens it would read there and not here, `wait` half the home's tokens in flight plus
-the requests already left to it); otherwise it takes the request, and then writes none of its
-blocks (the home keeps the prefix, no budget holds a second copy). A free group stays idle only
+the requests already left to it); otherwise it takes the request and writes its blocks (a
+prefix that queues at its home gets a second home). A free group stays idle only
 while every request it could take is answered sooner by its home; the home takes them the
 moment its forward ends (forward-gated).
 """

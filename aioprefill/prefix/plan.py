@@ -50,7 +50,6 @@ class Pins:
 
 class BatchPlan:
     __slots__ = (
-        "away",
         "block_tokens",
         "cache",
         "deferred",
@@ -84,7 +83,6 @@ class BatchPlan:
         self.waits = waits
         self.queued = [0] * len(waits) if waits is not None else []  # tokens left to each
         self.deferred = 0  # requests left to another group in this pass
-        self.away: set[Request] = set()  # requests it runs away from their home (no writes)
         # The wire columns, built as chunks are placed (`columns()` only copies them out):
         # per request the running totals of its reads and writes, the slots, each writer's
         # first block, and the written blocks' hashes (parallel to write_slots).
@@ -115,8 +113,9 @@ class BatchPlan:
         in flight (its forward is half done, on average) plus the uncached tokens of the
         requests this pass already left to it (they go first). The saving counts twice: the
         tokens are not computed, and their blocks are not stored a second time. Ties go to the
-        home with less to wait for. If it does not wait, it runs here and writes no block
-        (`away`): its home keeps its prefix, and this group's budget holds no second copy."""
+        home with less to wait for. If it does not wait (its home is that busy), it runs here
+        and writes its blocks like any other: a prefix that queues at its home gets a second
+        one, so a hot prefix (a few-shot context) is not computed by one group alone."""
         waits = self.waits
         hashes = req.hashes
         if waits is None or not hashes:
@@ -124,20 +123,17 @@ class BatchPlan:
         limit = (req.num_tokens - 1) // self.block_tokens
         indexes, queued, size = self.cache.indexes, self.queued, self.block_tokens
         home = -1
-        best = cost = held = 0
+        best = cost = 0
         for g, wait in enumerate(waits):
             if wait is None or g == self.group:
                 continue
             gain = indexes[g].count(hashes, limit) * size - cached
             if gain <= 0:
                 continue
-            held = max(held, gain)
             wait = (wait >> 1) + queued[g]
             if 2 * gain > wait and (gain > best or (gain == best and wait < cost)):
                 home, best, cost = g, gain, wait
         if home < 0:
-            if held:
-                self.away.add(req)
             return False
         queued[home] += req.num_tokens - cached - best
         self.deferred += 1
@@ -170,7 +166,7 @@ class BatchPlan:
         first = start // size
         slot_of = index.slot_of
         run = hashes[first : end // size]
-        if run and (req in self.away or (first and hashes[first - 1] not in slot_of)):
+        if run and first and hashes[first - 1] not in slot_of:
             run = []  # (its chain's parent is not here: a block nobody could reach)
         if not slot_of.keys().isdisjoint(run):  # stop at the first block held already (or
             run = run[: next(i for i, h in enumerate(run) if h in slot_of)]  # written before)

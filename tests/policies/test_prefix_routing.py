@@ -1,6 +1,6 @@
 """Policies with a prefix cache, against a fake pool: requests cost their uncached tokens and
 go to the group that holds (or is writing) their prefix unless waiting for it costs more than
-it saves; then an idle group takes them, and stores no second copy of the prefix."""
+it saves; then an idle group takes them, and keeps a second copy of the prefix."""
 
 from tests.policies.fake_pool import Harness
 
@@ -52,7 +52,7 @@ def test_a_prefix_being_written_in_flight_makes_its_group_the_home():
     assert h.sent_ids()[-1] == [b.request_id] and cached_of(h) == [40]
 
 
-def test_an_idle_group_takes_a_request_whose_home_is_too_busy_and_stores_no_copy():
+def test_an_idle_group_takes_a_request_whose_home_is_too_busy_and_becomes_a_second_home():
     h = Harness("forward", groups=2, cache_blocks=64, max_batch_tokens=300)
     h.arrive(ids=[*PREFIX, 1])
     h.done(0)
@@ -60,11 +60,11 @@ def test_an_idle_group_takes_a_request_whose_home_is_too_busy_and_stores_no_copy
     a = h.arrive(ids=[*PREFIX, 3])
     batch = h.pool.sent[-1]
     assert batch.group == 1 and batch.ids == [a.request_id] and cached_of(h) == [0]
-    assert writes_of(batch) == 0  # group 0 keeps the prefix; group 1 holds no second copy
+    assert writes_of(batch) == 10  # the prefix queues at group 0: group 1 keeps a copy too
     h.done(1)
-    r = h.arrive(ids=[*PREFIX, 4])  # group 1 idle, group 0 still busy: no copy on group 1
+    r = h.arrive(ids=[*PREFIX, 4])  # group 1 idle, group 0 still busy: read on group 1
     assert h.pool.sent[-1].group == 1 and h.sent_ids()[-1] == [r.request_id]
-    assert cached_of(h) == [0]
+    assert cached_of(h) == [40]
 
 
 def test_the_requests_left_to_a_home_count_in_its_wait_and_the_rest_go_elsewhere():

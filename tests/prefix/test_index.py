@@ -161,7 +161,7 @@ def test_several_groups_a_request_waits_for_its_home_unless_that_costs_more_than
     chunks, columns, _ = run(cache, groups(2, 64, in_flight=(0, 161)), [r, other], group=0)
     assert [c.request.request_id for c in chunks] == [2, 3]  # 80: computed here
     assert columns is not None
-    assert np.frombuffer(columns[2], "<i4")[1] == 0  # r writes nothing: no second copy stored
+    assert np.frombuffer(columns[2], "<i4")[1] == 10  # r writes its blocks: a second home
 
 
 def test_index_check_catches_a_slot_in_two_places():
