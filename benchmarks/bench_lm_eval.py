@@ -31,7 +31,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,29 +43,13 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_serve import tree_cpu_s  # noqa: E402  (the script's folder is on sys.path)
+from bench_servers import free_port  # noqa: E402
+
 from tests import refvenv  # noqa: E402
 from tests.hf.smollm2 import gguf_path  # noqa: E402
 
 DRIVER = ROOT / "benchmarks" / "lm_eval" / "run_timed.py"
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of `pid`, its threads and all its descendants (schedstat, ns)."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            for task in Path(f"/proc/{p}/task").iterdir():
-                with contextlib.suppress(FileNotFoundError):
-                    total += int((task / "schedstat").read_text().split()[0])
-                    todo += [int(c) for c in (task / "children").read_text().split()]
-    return total / 1e9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
