@@ -72,6 +72,25 @@ def test_token_ids_must_fill_the_blocks():
         NodeBlocks(B).stored(0, [1, 2], None, list(range(7)))
 
 
+def random_step(
+    node: NodeBlocks, rng: random.Random, truth: dict[int, set[int]], remove_below: float
+):
+    """One random event on one of three workers (store, remove below `remove_below`, else a
+    restart), applied to `node` and to `truth` (each worker's blocks); the node's events."""
+    w = rng.randrange(3)
+    op = rng.random()
+    if op < 0.5:
+        hashes = rng.sample(range(40), rng.randrange(1, 6))
+        truth[w].update(hashes)
+        return node.stored(w, hashes, None, toks(*hashes))
+    if op < remove_below:
+        hashes = rng.sample(range(40), rng.randrange(1, 6))
+        truth[w].difference_update(hashes)
+        return node.removed(w, hashes)
+    truth[w].clear()
+    return node.cleared(w)
+
+
 def test_random_histories_keep_the_announced_view_equal_to_the_union():
     seed = random.randrange(1 << 30)
     print("seed", seed)
@@ -80,19 +99,7 @@ def test_random_histories_keep_the_announced_view_equal_to_the_union():
     truth: dict[int, set[int]] = {w: set() for w in range(3)}
     view: set[int] = set()
     for _ in range(2000):
-        w = rng.randrange(3)
-        op = rng.random()
-        if op < 0.5:
-            hashes = rng.sample(range(40), rng.randrange(1, 6))
-            events = node.stored(w, hashes, None, toks(*hashes))
-            truth[w].update(hashes)
-        elif op < 0.95:
-            hashes = rng.sample(range(40), rng.randrange(1, 6))
-            events = node.removed(w, hashes)
-            truth[w].difference_update(hashes)
-        else:
-            events = node.cleared(w)
-            truth[w].clear()
+        events = random_step(node, rng, truth, remove_below=0.95)
         for ev in events:
             if isinstance(ev, BlockStored):
                 assert not view & set(ev.block_hashes)
@@ -218,20 +225,8 @@ def test_random_histories_keep_both_tiers_exact():
     gpu: set[int] = set()
     cpu: list[int] = []  # announced store-backed, oldest first
     for _ in range(2000):
-        w = rng.randrange(3)
-        op = rng.random()
         before = set().union(*truth.values())
-        if op < 0.5:
-            hashes = rng.sample(range(40), rng.randrange(1, 6))
-            events = node.stored(w, hashes, None, toks(*hashes))
-            truth[w].update(hashes)
-        elif op < 0.97:
-            hashes = rng.sample(range(40), rng.randrange(1, 6))
-            events = node.removed(w, hashes)
-            truth[w].difference_update(hashes)
-        else:
-            events = node.cleared(w)
-            truth[w].clear()
+        events = random_step(node, rng, truth, remove_below=0.97)
         held = set().union(*truth.values())
         for ev in events:
             if isinstance(ev, AllBlocksCleared):
