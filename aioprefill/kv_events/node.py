@@ -193,18 +193,26 @@ class NodeBlocks:
             else:
                 children.setdefault(parent, []).append(h)
         events: list[BlockStored] = []
-        stack = roots
-        while stack:
-            h = stack.pop()
-            run = [h]
-            while len(kids := children.get(run[-1], [])) == 1:
-                run.append(kids[0])
-            stack.extend(kids)
-            tokens: list[int] = []
-            for k in run:
-                _, ids, i = meta[k]
-                tokens.extend(_as_list(ids[i * b : (i + 1) * b]))
-            events.append(BlockStored(run, meta[h][0], tokens, b, medium=medium))
+        seen: set[int] = set()
+        # Chain hashes cannot form a cycle (a block's hash covers its parent's), but hashes
+        # that came from outside might: what no root reaches starts a stretch of its own.
+        for start in [*roots, *meta]:
+            stack = [start]
+            while stack:
+                h = stack.pop()
+                if h in seen:
+                    continue
+                seen.add(h)
+                run = [h]
+                while len(kids := children.get(run[-1], [])) == 1 and kids[0] not in seen:
+                    run.append(kids[0])
+                    seen.add(kids[0])
+                stack.extend(kids)
+                tokens: list[int] = []
+                for k in run:
+                    _, ids, i = meta[k]
+                    tokens.extend(_as_list(ids[i * b : (i + 1) * b]))
+                events.append(BlockStored(run, meta[h][0], tokens, b, medium=medium))
         return events
 
     def _stored(

@@ -215,6 +215,18 @@ def test_a_snapshot_has_the_store_backed_blocks_after_the_cached_ones():
     assert node.snapshot() == [] and node.num_store_backed == 0
 
 
+def test_hashes_that_form_a_cycle_are_still_all_announced_store_backed():
+    # Chain hashes cannot, but outside hashes can: 2 after 1, then 1 (again) after 2.
+    node = stored_node()
+    node.stored(0, [1, 2], None, toks(1, 2))
+    node.removed(0, [1], in_store=False)
+    node.stored(0, [2, 1], None, toks(2, 1))
+    events = node.removed(0, [1, 2])
+    (cpu,) = [ev for ev in events if ev.medium == "CPU"]
+    assert isinstance(cpu, BlockStored) and sorted(cpu.block_hashes) == [1, 2]
+    assert node.num_store_backed == 2
+
+
 def test_random_histories_keep_both_tiers_exact():
     seed = random.randrange(1 << 30)
     print("seed", seed)

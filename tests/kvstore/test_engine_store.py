@@ -6,8 +6,9 @@ mid-run fails no request and changes no answer."""
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -43,11 +44,20 @@ def _check_invariants(monkeypatch: pytest.MonkeyPatch):
 def master():
     """A fresh master per test: the same test runs on two event loops with the same prompts,
     and blocks the first run left (in a segment not yet unmounted) must not serve the second."""
-    m = LocalMaster().start()
-    try:
+    with running_master() as m:
         yield m
-    finally:
-        m.stop()
+
+
+@contextlib.contextmanager
+def running_master() -> Iterator[LocalMaster]:
+    """A master whose raw client (`wait_stored`'s) is closed before it stops: left to the
+    process's exit, a client's destructor retries its unmount against the stopped master
+    for 10-45 s (pytest's exit waited a minute for them)."""
+    with LocalMaster() as m:
+        try:
+            yield m
+        finally:
+            close_client(m)
 
 
 def config(master: LocalMaster, cache_blocks: int = 64, model: object = MODEL) -> EngineConfig:
@@ -87,13 +97,26 @@ def wait_stored(
         time.sleep(0.05)  # waiting on another process's background puts
 
 
-@functools.cache
+_clients: dict[str, Any] = {}
+
+
 def _client(address: str) -> Any:
-    """One raw client per master for the whole run (Mooncake's setup and close hold the GIL
-    for a while: not once per wait)."""
-    client = load_store()()
-    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", address) == 0
-    return client
+    """One raw client per master (Mooncake's setup and close hold the GIL for a while: not
+    once per wait), closed by `running_master`."""
+    if address not in _clients:
+        client = load_store()()
+        rc = client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", address)
+        assert rc == 0
+        _clients[address] = client
+    return _clients[address]
+
+
+def close_client(master: LocalMaster) -> None:
+    """Close `master`'s raw client, if it has one (before the master stops: see
+    `running_master`)."""
+    client = _clients.pop(master.address, None)
+    if client is not None:
+        client.close()
 
 
 DIMS = ("num_layers", "kv_heads", "head_dim", "hidden_size")
@@ -155,6 +178,7 @@ async def test_killing_the_master_mid_run_fails_no_request(master):
         for p in prompts[:6]:
             await a.prefill(p)
             await asyncio.to_thread(wait_stored, m, p)
+        close_client(m)  # (a client of a dead master takes ~10 s to close)
         results = []
         for round_ in range(4):
             if round_ == 2:

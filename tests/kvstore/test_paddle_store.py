@@ -13,8 +13,7 @@ import pytest
 import uvloop
 
 from aioprefill import Engine, EngineConfig, PaddleModel
-from aioprefill.kvstore.master import LocalMaster
-from tests.kvstore.test_engine_store import config, wait_stored
+from tests.kvstore.test_engine_store import config, running_master, wait_stored
 from tests.kvstore.util import need_store
 from tests.model.batches import small
 from tests.test_prefix_paddle import ALL, both, ids, same
@@ -24,7 +23,7 @@ need_store()
 
 def _store_hit_is_a_miss(model: PaddleModel, prompt: list[int], cached: int) -> None:
     async def main() -> None:
-        with LocalMaster() as master:
+        with running_master() as master:
             cfg = config(master, model=model)
             async with (
                 Engine(cfg) as a,
