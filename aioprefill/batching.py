@@ -223,18 +223,18 @@ class StagedBatch:
         The staged columns are kept unless some prompt reads a block. The batch no longer
         owns the plan: the caller commits it, or aborts it (and resets `columns.cache`) if the
         batch is not sent. Only with `cache` (one group: group 0)."""
-        assert self.cache is not None
+        cache = self.cache
         plan, chunks = self.plan, self.chunks
-        if self.cache.index_of(0) is None:  # the group keeps no cache now
+        if cache is None or cache.index_of(0) is None:  # the group keeps no cache now
             self.clear_plan()
             return None, self.columns, None
         if plan is None or self.epoch != plan.index.epoch:  # (the group restarted meanwhile)
-            plan = self.cache.plan(0)
+            plan = cache.plan(0)
             assert plan is not None
             chunks = [_place(plan, r) for r in self.requests]
         self.plan, self.chunks = None, []
         cols = Columns.of_chunks(chunks) if plan.hit else self.columns
-        cols.cache = plan.columns()
+        cols.cache = plan.columns()  # (O(1): the plan's own wire buffers)
         return plan, cols, chunks
 
     def pins(self) -> Pins | None:
