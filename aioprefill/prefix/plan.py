@@ -23,7 +23,7 @@ the lookups and tells the observer; if it did not, `abort()` gives back every sl
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -200,7 +200,8 @@ class BatchPlan:
         encodes a bytearray as it does bytes). No chunk is placed after this."""
         if not self.num_reads and not self.num_writes:
             return None
-        columns = (
+        # (bytearrays, read-only from here on: msgspec encodes them as bytes)
+        return (  # type: ignore[return-value]
             self.read_offsets,
             self.read_slots,
             self.write_offsets,
@@ -208,7 +209,6 @@ class BatchPlan:
             self.write_first,
             self.write_hashes,
         )
-        return cast("tuple[bytes, ...]", columns)  # (bytearrays: read-only from here on)
 
     def commit(self) -> Pins | None:
         """The pool took the batch: count its lookups, tell the observer, return its pins."""
