@@ -18,10 +18,10 @@ more of its prompt (`aioprefill.prefix.cache`). The staged batch is formed befor
 known: with several groups it takes only prompts without a full block; with one group also
 those whose first block it does not hold, their reads and writes planned as they join.
 
-Expert-parallel ranks step together (each MoE layer exchanges tokens), so every rank runs
-every step, an empty batch if it got no work (with nothing pending, no step). `split_step`
-decides who runs what: late binding (a request goes to whichever rank has room when the step
-forms), balanced by tokens, within the batch budgets, first come first served.
+Expert-parallel ranks step together (each MoE layer exchanges tokens): every rank runs every
+step, an empty batch if it got no work (nothing pending: no step). `split_step` decides who
+runs what: late binding (a request goes to whichever rank has room when the step forms),
+balanced by tokens, within the batch budgets, first come first served.
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class StagedBatch:
         "cost",
         "epoch",
         "firsts",
+        "generation",
         "has_cancelled",
         "hashed",
         "plan",
@@ -159,7 +160,7 @@ class StagedBatch:
         # Planned as they join (one group: its plan cannot be another's): the plan, the index
         # epoch it was made in (a group restart makes it void) and each request's chunk.
         self.plan: BatchPlan | None = None
-        self.epoch = 0
+        self.epoch = self.generation = 0  # (and of the group's start it was made for)
         self.chunks: list[Chunk] = []
         self.firsts: set[int] = set()  # first blocks of its prompts (written by its plan)
         self.cost = 0  # tokens it computes (what the budget counts)
@@ -174,10 +175,6 @@ class StagedBatch:
     @property
     def ids(self) -> list[int]:
         return self.columns.ids
-
-    @property
-    def token_parts(self) -> list[bytes]:
-        return self.columns.token_parts
 
     def try_add(self, req: Request, budget: Budget) -> bool:
         """Stage a whole prompt if it is short, fits the budget and has no block the prefix
@@ -208,6 +205,7 @@ class StagedBatch:
                 plan = self.cache.plan(0)
                 if plan is not None:
                     self.plan, self.epoch = plan, plan.index.epoch
+                    self.generation = self.cache.slots[0].generation
                     self.chunks = [_place(plan, r) for r in self.requests[:-1]]
         if self.plan is None:
             self.cost += req.num_tokens
@@ -217,24 +215,25 @@ class StagedBatch:
         self.cost += c.end - c.start
 
     def planned(self) -> tuple[BatchPlan | None, Columns, list[Chunk] | None]:
-        """The plan to send the batch with, its columns and chunks: the one made as requests
-        joined if still valid (O(1): its columns were built as they joined), else a new plan
-        of the group with every request placed now; None when the group keeps no cache now.
-        The staged columns are kept unless some prompt reads a block. The batch no longer
-        owns the plan: the caller commits it, or aborts it (and resets `columns.cache`) if the
-        batch is not sent. Only with `cache` (one group: group 0)."""
-        assert self.cache is not None
-        plan, chunks = self.plan, self.chunks
-        if self.cache.index_of(0) is None:  # the group keeps no cache now
-            self.clear_plan()
-            return None, self.columns, None
-        if plan is None or self.epoch != plan.index.epoch:  # (the group restarted meanwhile)
-            plan = self.cache.plan(0)
-            assert plan is not None
-            chunks = [_place(plan, r) for r in self.requests]
+        """The plan, columns and chunks to send the batch with: the plan made as requests joined
+        if still valid and nothing is read (O(1): its columns were built as they joined), else
+        the group's plan remade with every request placed (None: the group keeps no cache now).
+        The caller commits the plan, or aborts it (and resets `columns.cache`) if the batch is
+        not sent. Only with `cache` (one group: group 0)."""
+        plan, chunks, cache = self.plan, self.chunks, self.cache
+        assert cache is not None
+        gen = cache.slots[0].generation  # (the common case skips the block: nothing read)
+        if plan is None or plan.hit or self.epoch != plan.index.epoch or self.generation != gen:
+            if cache.index_of(0) is None:  # the group keeps no cache now
+                self.clear_plan()
+                return None, self.columns, None
+            if plan is None or self.epoch != plan.index.epoch:  # (the group restarted)
+                plan = cache.plan(0)
+                assert plan is not None
+                chunks = [_place(plan, r) for r in self.requests]
         self.plan, self.chunks = None, []
         cols = Columns.of_chunks(chunks) if plan.hit else self.columns
-        cols.cache = plan.columns()
+        cols.cache = plan.columns()  # (O(1): the plan's own wire buffers)
         return plan, cols, chunks
 
     def pins(self) -> Pins | None:

@@ -14,7 +14,8 @@ refill hashing the next prompts) in the next path, where in an engine the alloca
 everything else between two forwards decide when they fall.
 
 Shapes: `gpu-class` is the default bench's saturation (prompts lognormal(64, 0.5) tokens,
-batches of up to 8,192 tokens, the default budget's 512 blocks); `512x16` is
+batches of up to 8,192 tokens, the default budget's 512 blocks), `gpu-class 1/batch` the same
+prompts one a batch (its 0.8x point: ~1.3 a batch); `512x16` is
 `bench_prefix.py`'s no-reuse run (unique 512-token prompts, batches of 16, 4,096 blocks).
 Also the engine's whole work per request (submit, hashing, planning, release), in us.
 
@@ -96,6 +97,12 @@ def shapes(rng: np.random.Generator, num: int) -> dict[str, tuple[list[bytes], B
         "gpu-class": (
             [rng.integers(1, 32000, n).astype("<i4").tobytes() for n in lens],
             Budget(8192, 256),
+            512,
+        ),
+        # the 0.8x point of the default bench: ~1.3 requests a batch; here one
+        "gpu-class 1/batch": (
+            [rng.integers(1, 32000, n).astype("<i4").tobytes() for n in lens[: num // 4]],
+            Budget(8192, 1),
             512,
         ),
         "512x16": (

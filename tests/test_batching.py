@@ -90,7 +90,7 @@ def test_staged_batch_is_what_take_batch_would_pick():
     reqs = [req(i, 10) for i in range(5)]
     assert [staged.try_add(r, budget) for r in reqs] == [True, True, True, False, False]
     assert staged.ids == [0, 1, 2] and staged.num_tokens == 30
-    assert staged.token_parts == [r.tokens for r in reqs[:3]]
+    assert staged.columns.token_parts == [r.tokens for r in reqs[:3]]
     reqs[1].cancelled = True
     staged.note_cancelled()
     staged.drop_cancelled()

@@ -14,15 +14,15 @@ questions per request and tells it each chunk it takes, in batch order:
 
 Only the first chunk computed of a prompt reads; every chunk writes the full blocks it
 completes that the group does not hold yet (stopping at the first one it holds, or when every
-slot is pinned). `columns()` gives the five `PrefillBatch` columns; once the pool took the
-batch, `commit()` counts the lookups and tells the observer; if it did not, `abort()` gives
-back every slot taken (blocks evicted meanwhile stay forgotten: harmless).
+slot is pinned). `columns()` gives the `PrefillBatch` columns (kept in wire bytes as chunks are
+placed, so handing them over costs nothing); once the pool took the batch, `commit()` counts
+the lookups and tells the observer; if it did not, `abort()` gives back every slot taken
+(blocks evicted meanwhile stay forgotten: harmless).
 """
 
 from __future__ import annotations
 
-import sys
-from array import array
+import struct
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,6 +57,8 @@ class BatchPlan:
         "hit",
         "index",
         "new",
+        "num_reads",
+        "num_writes",
         "pins",
         "queried",
         "queued",
@@ -83,15 +85,18 @@ class BatchPlan:
         self.waits = waits
         self.queued = [0] * len(waits) if waits is not None else []  # tokens left to each
         self.deferred = 0  # requests left to another group in this pass
-        # The wire columns, built as chunks are placed (`columns()` only copies them out):
-        # per request the running totals of its reads and writes, the slots, each writer's
-        # first block, and the written blocks' hashes (parallel to write_slots).
-        self.read_offsets = array("i", _ZERO)
-        self.read_slots = array("i")
-        self.write_offsets = array("i", _ZERO)
-        self.write_slots = array("i")
-        self.write_first = array("i")
-        self.write_hashes = array("Q")
+        # The wire columns, built as chunks are placed, already in wire bytes (`columns()`
+        # hands these very buffers over: nothing is left to do for them when the batch is
+        # sent): per request the running totals of its reads and writes, the slots, each
+        # writer's first block, and the written blocks' hashes (parallel to write_slots).
+        self.read_offsets = bytearray(_ZERO)
+        self.read_slots = bytearray()
+        self.write_offsets = bytearray(_ZERO)
+        self.write_slots = bytearray()
+        self.write_first = bytearray()
+        self.write_hashes = bytearray()
+        self.num_reads = 0
+        self.num_writes = 0
         self.pins: list[int] = []  # every pin this batch took, in order
         self.new: list[int] = []  # slots it writes
         self.written: list[tuple[Request, int, int]] = []  # (request, first block, count)
@@ -160,9 +165,10 @@ class BatchPlan:
             for slot in index.match(hashes, start // size):
                 index.pin(slot)
                 pins.append(slot)
-        read_slots = self.read_slots
-        read_slots.extend(reads)
-        self.read_offsets.append(len(read_slots))
+        if reads:
+            self.read_slots += _int32s(reads)
+            self.num_reads += len(reads)
+        self.read_offsets += _INT32(self.num_reads)
         first = start // size
         slot_of = index.slot_of
         run = hashes[first : end // size]
@@ -176,11 +182,12 @@ class BatchPlan:
             index.put(run[:count], taken)
             pins.extend(taken)
             self.new.extend(taken)
-            self.write_slots.extend(taken)
+            self.write_slots += _int32s(taken)
+            self.num_writes += count
             if self.cache.store_keys:
-                self.write_hashes.extend(run[:count])
-        self.write_offsets.append(len(self.write_slots))
-        self.write_first.append(first)
+                self.write_hashes += struct.pack(f"<{count}Q", *run[:count])
+        self.write_offsets += _INT32(self.num_writes)
+        self.write_first += _INT32(first)
         if count:
             self.written.append((req, first, count))
         return Chunk(req, start, end, cached)
@@ -188,21 +195,19 @@ class BatchPlan:
     def columns(self) -> tuple[bytes, ...] | None:
         """(read_offsets, read_slots, write_offsets, write_slots, write_first, write_hashes)
         for the `PrefillBatch` (little-endian int32, the hashes uint64), or None when the
-        batch neither reads nor writes a block. O(blocks) in C only: built as it was placed."""
-        if not self.read_slots and not self.write_slots:
+        batch neither reads nor writes a block. O(1): the plan's own buffers, built in wire
+        bytes as chunks were placed (so a batch's hand-off does nothing for them; msgspec
+        encodes a bytearray as it does bytes). No chunk is placed after this."""
+        if not self.num_reads and not self.num_writes:
             return None
-        return tuple(
-            map(
-                _wire,
-                (
-                    self.read_offsets,
-                    self.read_slots,
-                    self.write_offsets,
-                    self.write_slots,
-                    self.write_first,
-                    self.write_hashes,
-                ),
-            )
+        # (bytearrays, read-only from here on: msgspec encodes them as bytes)
+        return (  # type: ignore[return-value]
+            self.read_offsets,
+            self.read_slots,
+            self.write_offsets,
+            self.write_slots,
+            self.write_first,
+            self.write_hashes,
         )
 
     def commit(self) -> Pins | None:
@@ -244,16 +249,10 @@ class BatchPlan:
             evicted.clear()
 
 
-_ZERO = (0,)
+_INT32 = struct.Struct("<i").pack
+_ZERO = _INT32(0)
 
 
-def _wire(column: array) -> bytes:
-    """A column's bytes in the wire's byte order (little-endian)."""
-    if _LITTLE:
-        return column.tobytes()
-    swapped = array(column.typecode, column)
-    swapped.byteswap()
-    return swapped.tobytes()
-
-
-_LITTLE = sys.byteorder == "little"
+def _int32s(values: list[int]) -> bytes:
+    """Little-endian int32 bytes of `values`."""
+    return struct.pack(f"<{len(values)}i", *values)
