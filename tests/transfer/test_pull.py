@@ -28,7 +28,7 @@ from aioprefill.transfer import pull_kv, release_kv  # noqa: E402
 
 
 # One loop (uvloop) per test: the subject is Mooncake's pulls and the exports' lifetimes, not
-# the event loop (tests/test_kv.py runs the exports' lifecycle on both loops).
+# the event loop (tests/test_kv.py ends exports by engine close and cancellation on both loops).
 @pytest.mark.asyncio(loop_factories=["uvloop"])
 async def test_another_process_pulls_the_export_bit_for_bit(tmp_path):
     async with Engine(transfer_config()) as engine:
