@@ -24,18 +24,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_local_completions_scores_equal_the_hf_backend(tmp_path):
-    # The server loads SmolLM2 while the reference venv is made or checked and the tokenizer
-    # saved, rather than after them.
-    with serve("--served-model-name", "smollm2", ready=False) as server:
-        python = refvenv.ensure()
-        # lm-eval loads its tokenizer with transformers' AutoTokenizer from a directory: the
-        # GGUF file's tokenizer, saved once (the pitfall docs/serving.md names)
-        tokenizer = tmp_path / "tokenizer"
-        save = ("import sys; from pathlib import Path; from transformers import AutoTokenizer; "
-                "g = Path(sys.argv[1]); AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)"
-                ".save_pretrained(sys.argv[2])")  # fmt: skip
-        subprocess.run([str(python), "-c", save, str(gguf_path()), str(tokenizer)], check=True)
-        server.wait_ready()
+    python = refvenv.ensure()
+    # lm-eval loads its tokenizer with transformers' AutoTokenizer from a directory: the GGUF
+    # file's tokenizer, saved once (the pitfall docs/serving.md names)
+    tokenizer = tmp_path / "tokenizer"
+    save = ("import sys; from pathlib import Path; from transformers import AutoTokenizer; "
+            "g = Path(sys.argv[1]); AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)"
+            ".save_pretrained(sys.argv[2])")  # fmt: skip
+    subprocess.run([str(python), "-c", save, str(gguf_path()), str(tokenizer)], check=True)
+    with serve("--served-model-name", "smollm2") as server:
         args = (f"base_url={server.url}/v1/completions,tokenizer={tokenizer},"
                 "tokenized_requests=True,model=smollm2,num_concurrent=2,max_retries=1")  # fmt: skip
         got = run("local-completions", args)
