@@ -14,6 +14,7 @@ from aioprefill.workers.runner import ForwardBatch
 from tests.model.batches import make_batch
 
 JOB = "tests.model.parallel_jobs:run_job"  # what run_ranks starts in each rank
+JOBS = "tests.model.parallel_jobs:run_jobs"  # several jobs, one after another, in one group
 
 
 class Step(msgspec.Struct):
@@ -108,6 +109,26 @@ def run_job(rank: int, size: int, master: str, arg: bytes) -> bytes:
             job.spec, group=group, mode=job.mode, prefix_cache_bytes=job.prefix_cache_bytes
         )
         return msgspec.msgpack.encode([forward(runner, s) for s in job.steps[rank]])
+    finally:
+        group.close()
+
+
+def run_jobs(rank: int, size: int, master: str, arg: bytes) -> bytes:
+    """Each job of a msgspec list of `Job`s through its own runner on one group, in order: one
+    group of rank processes for several models (each group spawned imports paddle again)."""
+    from aioprefill.workers.collectives import PaddleGroup
+    from aioprefill.workers.paddle_runner import PaddleRunner
+
+    jobs = msgspec.msgpack.decode(arg, type=list[Job])
+    group = PaddleGroup(rank, size, master, timeout=60.0)
+    try:
+        outs = []
+        for job in jobs:
+            runner = PaddleRunner(
+                job.spec, group=group, mode=job.mode, prefix_cache_bytes=job.prefix_cache_bytes
+            )
+            outs.append([forward(runner, s) for s in job.steps[rank]])
+        return msgspec.msgpack.encode(outs)
     finally:
         group.close()
 

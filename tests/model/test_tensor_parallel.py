@@ -5,6 +5,7 @@ runner's tokens and log-probabilities (|d| <= 1e-5) — whole prompts and chunke
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import msgspec
 import numpy as np
@@ -15,7 +16,7 @@ from aioprefill.config import PaddleModel
 from aioprefill.kv import KVLayout, kv_layout
 from aioprefill.shm.segments import SHM_DIR, attach_segment, create_segment, segment_name
 from tests.model.batches import SMALL, runner, small
-from tests.model.parallel_jobs import JOB, Job, Out, Step, decode_outs, forward
+from tests.model.parallel_jobs import JOBS, Job, Out, Step, forward
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -62,34 +63,14 @@ def check_same(got: list[Out], want: list[Out]) -> None:
             assert diff <= TOL, f"step {step}: |d {name}| = {diff:.2e}"
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        SMALL,  # GQA: each rank keeps 2 query heads and the 1 KV head they read
-        small(num_kv_heads=4, tie_word_embeddings=True, seed=8),  # MHA, head = embedding slice
-        small(deterministic=True, seed=9),  # fixed row tiles still line up across ranks
-        small(attention_bias=True, qk_norm=True, seed=12),  # biases split, per-head norms whole
-    ],
-    ids=["gqa", "mha-tied", "deterministic", "bias-qknorm"],
-)
-def test_tp2_matches_single_rank(spec: PaddleModel) -> None:
-    steps = steps_for(spec, seed=spec.seed)
-    job = Job(spec=spec, mode="tp", steps=[steps, steps])
-    ranks = [decode_outs(r) for r in run_ranks(JOB, 2, msgspec.msgpack.encode(job))]
-    single = runner(spec)
-    want = [forward(single, s) for s in steps]
-    check_same(ranks[0], want)
-    check_same(ranks[1], want)  # every rank sees the gathered head's answer
-
-
-def test_tp2_moe_matches_single_rank() -> None:
-    """TP over a mixture of experts: every expert's w1/w3 rows and w2 columns are split."""
-    spec = small(num_experts=4, num_experts_per_tok=2, seed=10)
-    steps = steps_for(spec, seed=10)
-    job = Job(spec=spec, mode="tp", steps=[steps, steps])
-    ranks = [decode_outs(r) for r in run_ranks(JOB, 2, msgspec.msgpack.encode(job))]
-    want = [forward(runner(spec), s) for s in steps]
-    check_same(ranks[0], want)
+SPECS = {
+    "gqa": SMALL,  # GQA: each rank keeps 2 query heads and the 1 KV head they read
+    "mha-tied": small(num_kv_heads=4, tie_word_embeddings=True, seed=8),  # head = embedding slice
+    "deterministic": small(deterministic=True, seed=9),  # fixed row tiles line up across ranks
+    "bias-qknorm": small(attention_bias=True, qk_norm=True, seed=12),  # per-head norms whole
+    # TP over a mixture of experts: every expert's w1/w3 rows and w2 columns are split
+    "moe": small(num_experts=4, num_experts_per_tok=2, seed=10),
+}
 
 
 def kv_steps(spec: PaddleModel, names: dict[str, str]) -> list[Step]:
@@ -118,19 +99,57 @@ def kv_steps(spec: PaddleModel, names: dict[str, str]) -> list[Step]:
     ]
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4], ids=["1-kv-head-per-rank", "2-kv-heads-per-rank"])
-def test_tp2_kv_export_matches_single_rank(kv_heads: int) -> None:
-    spec = small(num_kv_heads=kv_heads, seed=20 + kv_heads)
-    tag = f"kv.tp-test.{kv_heads}"
-    names = {k: segment_name(tag) for k in ("a", "long", "small")}
-    names["bad"] = "x" * 300  # shm_open refuses the name: rank 0 cannot create it
+KV_HEADS = {"1-kv-head-per-rank": 2, "2-kv-heads-per-rank": 4}
+Tp2 = tuple[dict[str, list[list[Out]]], dict[str, dict[str, str]]]
+
+
+@pytest.fixture(scope="module")
+def tp2() -> Iterator[Tp2]:
+    """Every test's job through one TP group of two rank processes, a runner per job, in turn
+    (a group per test spawned two ranks and imported paddle in them seven times): the outs
+    ({test id: [rank 0's, rank 1's]}) and the export tests' segment names."""
+    jobs = {name: Job(spec=s, mode="tp", steps=[steps_for(s, s.seed)] * 2)
+            for name, s in SPECS.items()}  # fmt: skip
+    kv_names: dict[str, dict[str, str]] = {}
+    try:
+        for label, kv_heads in KV_HEADS.items():
+            spec = kv_spec(kv_heads)
+            names = {k: segment_name(f"kv.tp-test.{kv_heads}") for k in ("a", "long", "small")}
+            names["bad"] = "x" * 300  # shm_open refuses the name: rank 0 cannot create it
+            kv_names[label] = names
+            # A worker that died part-way left "small" behind, too small for this prompt.
+            create_segment(names["small"], 4096, track=False).close()
+            jobs[label] = Job(spec=spec, mode="tp", steps=[kv_steps(spec, names)] * 2)
+        raw = run_ranks(JOBS, 2, msgspec.msgpack.encode(list(jobs.values())))
+        ranks = [msgspec.msgpack.decode(r, type=list[list[Out]]) for r in raw if r is not None]
+        assert len(ranks) == 2, "a rank died"
+        yield {name: [ranks[0][i], ranks[1][i]] for i, name in enumerate(jobs)}, kv_names
+    finally:
+        for names in kv_names.values():
+            for key in ("a", "long", "small"):
+                with contextlib.suppress(FileNotFoundError):
+                    (SHM_DIR / names[key]).unlink()
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_tp2_matches_single_rank(name: str, tp2: Tp2) -> None:
+    spec = SPECS[name]
+    want = [forward(runner(spec), s) for s in steps_for(spec, seed=spec.seed)]
+    check_same(tp2[0][name][0], want)
+    check_same(tp2[0][name][1], want)  # every rank sees the gathered head's answer
+
+
+def kv_spec(kv_heads: int) -> PaddleModel:
+    return small(num_kv_heads=kv_heads, seed=20 + kv_heads)
+
+
+@pytest.mark.parametrize("label", list(KV_HEADS))
+def test_tp2_kv_export_matches_single_rank(label: str, tp2: Tp2) -> None:
+    spec = kv_spec(KV_HEADS[label])
+    ranks, names = tp2[0][label], tp2[1][label]
     ref = {k: v if k == "bad" else v + "-ref" for k, v in names.items()}
     layout = kv_layout(spec)
     try:
-        # A worker that died part-way left "small" behind, too small for this prompt.
-        create_segment(names["small"], 4096, track=False).close()
-        job = Job(spec=spec, mode="tp", steps=[kv_steps(spec, names)] * 2)
-        ranks = [decode_outs(r) for r in run_ranks(JOB, 2, msgspec.msgpack.encode(job))]
         single = runner(spec)
         want = [forward(single, s) for s in kv_steps(spec, ref)]
         for rank, got in enumerate(ranks):
@@ -143,7 +162,7 @@ def test_tp2_kv_export_matches_single_rank(kv_heads: int) -> None:
                 diff = np.abs(a - b).max(axis=(2, 3))  # per [layer, KV head]
                 assert diff.max() <= TOL, f"{key}: {diff}"
     finally:
-        for name in [*names.values(), *ref.values()]:
+        for name in ref.values():
             if name != names["bad"]:
                 with contextlib.suppress(FileNotFoundError):
                     (SHM_DIR / name).unlink()

@@ -64,11 +64,14 @@ def start(stack: ExitStack, cmd: list[str], env: dict[str, str] | None = None) -
 
 @pytest.fixture(scope="module")
 def pd():
-    python = refvenv.ensure()
     with ExitStack() as stack:
+        # The prefill node loads SmolLM2 while the reference venv is checked (or made) and the
+        # decode node starts, rather than before them.
         prefill = stack.enter_context(
-            serve("--kv-transfer", "mooncake", "--workers", "1", "--served-model-name", "smollm2")
-        )
+            serve("--kv-transfer", "mooncake", "--workers", "1", "--served-model-name", "smollm2",
+                  ready=False)
+        )  # fmt: skip
+        python = refvenv.ensure()
         decode_port = free_port()
         decode_url = f"http://127.0.0.1:{decode_port}"
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -80,6 +83,7 @@ def pd():
             env,
         )  # fmt: skip
         wait_health(decode_url, proc, log, 300)
+        prefill.wait_ready()
         port = free_port()
         router, router_log = start(
             stack,
