@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 
 from aioprefill import protocol
+from aioprefill.kvstore.diag import DIAG
 from aioprefill.kvstore.identity import StoreIdentity, weights_digest
 from aioprefill.kvstore.options import KVStoreOptions
 from aioprefill.kvstore.tier import StoreTier
@@ -159,6 +160,8 @@ class StoreHook:
         the batch for `put_written`, which the worker calls once its answer is sent."""
         self.tier.record_forward(seconds, len(batch.tokens))
         self.written = batch
+        if DIAG is not None and batch.write_hashes is not None:
+            DIAG.wrote(batch.write_hashes.tolist())
 
     def put_written(self) -> None:
         """List every block the last forward wrote for a put (copied by the put thread, or
@@ -182,10 +185,8 @@ class StoreHook:
         return next(a for a in arrays if a.dtype == np.int32 and a.ndim == 1)
 
     def close(self) -> None:
-        import os
-
-        if os.environ.get("AIOP_STORE_DIAG"):
-            log.warning("store stats: %s", self.tier.stats)
+        if DIAG is not None:
+            DIAG.write(self.tier.stats.as_dict())
         self.tier.close()
 
 
