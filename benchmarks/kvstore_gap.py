@@ -16,8 +16,8 @@ got (`cached_tokens`), the missing blocks put in the first category that explain
   put dropped      never put: the put budget was full (back-pressure)
   never put        computed, never put (put recently by that worker, link down)
   evicted          put before the lookup and missing at it (the store's eviction)
+  never written    no node wrote (so put) it: computed past the slots its own prompt was given
   busy / timeout   the load buffer was still owned by a late call / the lookup passed its deadline
-  other            anything else (e.g. found but refused)
 
     python benchmarks/kvstore_gap.py [bench_kvstore_cluster's options]
 """
@@ -33,13 +33,17 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import bench_kvstore_cluster as bench
 import numpy as np
 
-import bench_kvstore_cluster as bench
 from aioprefill import Engine, EngineConfig, KVStoreOptions, SimModel
 from aioprefill.bench.presets import SIM_PRESETS
 from aioprefill.kvstore.master import LocalMaster
 from aioprefill.prefix.hashing import block_hashes
+
+# A worker's log time and the request's (the engine's clock, converted) disagree by up to
+# tens of ms on the busy host: an ask counts as the request's until this long after its end.
+_LATE = 0.2
 
 
 async def run(trace, configs: list[EngineConfig], speedup: float) -> list[dict]:
@@ -99,10 +103,10 @@ def analyse(trace, reqs: list[dict], logs: list[dict], block: int) -> None:
         if got >= k:
             continue
         h = usable[got]
-        mine = [a for a in asks.get(h, []) if r["start"] - 1e-3 <= a[0] <= r["end"] + 1e-3]
+        mine = [a for a in asks.get(h, []) if r["start"] - 1e-3 <= a[0] <= r["end"] + _LATE]
         if not mine:
             window = [a for j in range(got) for a in asks.get(usable[j], [])
-                      if r["start"] - 1e-3 <= a[0] <= r["end"] + 1e-3]  # fmt: skip
+                      if r["start"] - 1e-3 <= a[0] <= r["end"] + _LATE]  # fmt: skip
             reason = "not asked: chain ended" if window else "not asked: no lookup"
         else:
             t, decision, _, _ = mine[0]
@@ -120,7 +124,7 @@ def analyse(trace, reqs: list[dict], logs: list[dict], block: int) -> None:
             elif h in wrote_at:
                 reason = "never put" if wrote_at[h] < t else "not computed yet"
             else:
-                reason = "other"
+                reason = "never written"
         why[reason] += (k - got) * block
     print(f"ideal hit ratio {ideal / prompt:.3f}, got {actual / prompt:.3f} "
           f"(gap {(ideal - actual) / prompt:.3f} of the prompt tokens), by reason:")  # fmt: skip
@@ -142,9 +146,16 @@ def main() -> None:
     ap.add_argument("--kv-per-token", type=int, default=2048)
     ap.add_argument("--segment-mb", type=int, default=256)
     ap.add_argument("--logs", type=Path, help="keep the workers' logs here")
+    ap.add_argument("--analyse", type=Path, help="only analyse the logs a run left here")
+    ap.add_argument("--scratch-blocks", type=int, default=0, help="KVStoreOptions.scratch_blocks")
     ap.add_argument("--preset", default="gpu-class", choices=sorted(SIM_PRESETS))
     args = ap.parse_args()
     trace = bench.load_trace(bench.TRACE, args.requests, args.block)
+    if args.analyse:
+        logs = [json.loads(p.read_text()) for p in sorted(args.analyse.glob("store-*.json"))]
+        reqs = json.loads((args.analyse / "requests.json").read_text())
+        analyse(trace, reqs, logs, args.block)
+        return
     cost = SIM_PRESETS[args.preset]
     model = SimModel(fixed_ms=cost.fixed_ms, per_token_us=cost.per_token_us, attn_ns=cost.attn_ns,
                      kv_bytes_per_token=args.kv_per_token)  # fmt: skip
@@ -154,12 +165,18 @@ def main() -> None:
         Path(d).mkdir(parents=True, exist_ok=True)
         os.environ["AIOP_STORE_DIAG"] = d  # the workers inherit it
         with LocalMaster() as m:
-            store = KVStoreOptions(master=m.address, segment_bytes=args.segment_mb << 20)
+            store = KVStoreOptions(
+                master=m.address,
+                segment_bytes=args.segment_mb << 20,
+                scratch_blocks=args.scratch_blocks,
+            )
             configs = [EngineConfig(model=model, prefix_cache_bytes=local,
                                     prefix_block_tokens=args.block, kv_store="mooncake",
-                                    kv_store_options=store) for _ in range(bench.NODES)]  # fmt: skip
+                                    kv_store_options=store)
+                       for _ in range(bench.NODES)]  # fmt: skip
             reqs = asyncio.run(run(trace, configs, args.speedup))
         logs = [json.loads(p.read_text()) for p in sorted(Path(d).glob("store-*.json"))]
+        (Path(d) / "requests.json").write_text(json.dumps(reqs))
     print(f"# kvstore_gap: {' '.join(sys.argv[1:])}; {len(logs)} worker logs")
     analyse(trace, reqs, logs, args.block)
 
