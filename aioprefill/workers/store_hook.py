@@ -112,7 +112,6 @@ class StoreHook:
         # Scratch slots (past the engine's) for blocks loaded past a prompt's write slots,
         # chained from the hash of the block before them: the last written, or the last read
         # (each engine slot's hash, as last written: `slot_hash`, known when `slot_known`).
-        self.engine_blocks = engine_blocks
         self.scratch = list(range(engine_blocks, engine_blocks + tier.options.scratch_blocks))
         self.slot_hash = np.zeros(engine_blocks, dtype=np.uint64)
         self.slot_known = np.zeros(engine_blocks, dtype=bool)
@@ -141,7 +140,6 @@ class StoreHook:
         b = self.block_tokens
         offsets, starts = batch.offsets.tolist(), batch.start_pos.tolist()
         chunks, chains, targets, scratch = [], [], [], list(self.scratch)
-        asked: set[int] = set()
         for i in range(batch.size):
             reads, first, w0, w1 = int(ro[i + 1] - ro[i]), int(wf[i]), int(wo[i]), int(wo[i + 1])
             if starts[i] != reads * b or (w1 > w0 and first != reads):
@@ -158,12 +156,6 @@ class StoreHook:
                 parent = _chained(parent, ids)
                 chain.append((parent, ids))
                 target.append(scratch.pop(0))
-            for j, (block_hash, _) in enumerate(chain):  # one key once per call: Mooncake's
-                if block_hash in asked:  # batch_get_into hangs on a key asked twice
-                    scratch[:0] = [slot for slot in target[j:] if slot >= self.engine_blocks]
-                    del chain[j:], target[j:]
-                    break
-                asked.add(block_hash)
             if chain:
                 chunks.append(i)
                 chains.append(chain)

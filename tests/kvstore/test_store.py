@@ -238,7 +238,7 @@ def test_a_deferred_block_is_copied_before_its_cache_slot_is_rewritten(master, r
 def test_blocks_put_or_loaded_are_known_to_be_stored_without_a_call(master, reader):
     writer = tier(master.address)
     try:
-        blocks = Blocks(4, seed=7)
+        blocks = Blocks(4, seed=31)
         assert writer.puts.known_prefix(blocks.hashes) == 0
         assert blocks.offer_all(writer) == 4
         drain(writer)
