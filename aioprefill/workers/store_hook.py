@@ -9,7 +9,10 @@ blocks are *read*: the chunk starts `k * block_tokens` later, reads its slots pl
 ones, writes the rest. Nothing the engine planned changes: after the forward each write slot
 holds its block either way (loaded or computed), so the engine's index stays exact, and any
 failure (store down, block missing, refused, too slow) just means the blocks are computed.
-At least one token of every chunk is computed (a prompt's last token always is).
+At least one token of every chunk is computed (a prompt's last token always is). With
+`KVStoreOptions.scratch_blocks`, the chain goes on past the chunk's write slots into scratch
+slots the runner has past the engine's, its hashes chained here from the last block written or
+read; those blocks are read by this forward only (never indexed, never put).
 
 Once the answer is sent (`StoreHook.put_written`, before the worker takes its next batch, so
 no slot has changed yet), every block the forward wrote (not those loaded) is listed for the
