@@ -19,6 +19,7 @@ forward = the mean, over requests, of the worker's time for the forward that ans
 
     python benchmarks/bench_kvstore_cluster.py [--requests 600] [--speedup 4] [--block 16]
         [--local-blocks 64] [--kv-per-token 2048] [--segment-mb 256] [--preset gpu-class]
+        [--scratch-blocks 0]
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--kv-per-token", type=int, default=2048)
     ap.add_argument("--segment-mb", type=int, default=256, help="each worker's store segment")
     ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--scratch-blocks", type=int, default=0, help="KVStoreOptions.scratch_blocks")
     ap.add_argument("--preset", default="gpu-class", choices=sorted(SIM_PRESETS))
     args = ap.parse_args()
     trace = load_trace(args.trace, args.requests, args.block)
@@ -117,7 +119,9 @@ def main() -> None:
         extra = {}
         if master is not None:
             store = KVStoreOptions(
-                master=master, segment_bytes=args.segment_mb << 20
+                master=master,
+                segment_bytes=args.segment_mb << 20,
+                scratch_blocks=args.scratch_blocks,
             )  # buffers: defaults
             extra = {"kv_store": "mooncake", "kv_store_options": store}
         return EngineConfig(model=model, prefix_cache_bytes=cache, prefix_block_tokens=args.block,

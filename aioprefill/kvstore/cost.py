@@ -186,7 +186,7 @@ class HitRate:
 
     __slots__ = ("alpha", "fraction")
 
-    def __init__(self, initial: float = 0.5, alpha: float = 0.1) -> None:
+    def __init__(self, initial: float = 0.5, alpha: float = 0.05) -> None:
         self.fraction = initial
         self.alpha = alpha
 

@@ -60,6 +60,9 @@ class KVStoreOptions:
     put by one background thread; when it is full, the block is not put (counted as dropped):
     a put never blocks a forward. `load_buffer_bytes`: where loads land before they are
     checked and copied into cache slots; it bounds the blocks one forward can load.
+    `scratch_blocks`: cache slots each worker adds past the engine's (one block's bytes each,
+    allocated lazily), which a load fills when a prompt's blocks found in the store outrun the
+    slots the engine gave it to write (a full local cache): read by that forward, never indexed.
 
     Faults: a forward waits at most `load_timeout_s` for its loads, then computes. After a
     failed call (master killed or unreachable) the worker computes without asking the store,
@@ -84,6 +87,7 @@ class KVStoreOptions:
     segment_bytes: int = 256 << 20
     put_buffer_bytes: int = 32 << 20
     load_buffer_bytes: int = 32 << 20
+    scratch_blocks: int = 0
     load_timeout_s: float = 2.0
     retry_min_s: float = 1.0
     retry_max_s: float = 30.0
@@ -102,6 +106,7 @@ class KVStoreOptions:
         _check_bytes("segment_bytes", self.segment_bytes, 16 << 20)  # Mooncake: -600 below
         _check_bytes("put_buffer_bytes", self.put_buffer_bytes, 0)
         _check_bytes("load_buffer_bytes", self.load_buffer_bytes, 0)
+        _check_bytes("scratch_blocks", self.scratch_blocks, 0)
         for name in ("load_timeout_s", "retry_min_s", "retry_max_s", "read_bytes_per_s"):
             _check_seconds(name, getattr(self, name))
         if self.retry_max_s < self.retry_min_s:

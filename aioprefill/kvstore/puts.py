@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from aioprefill.kvstore.backend import NO_SPACE
+from aioprefill.kvstore.diag import DIAG
 from aioprefill.kvstore.identity import StoreIdentity
 from aioprefill.kvstore.link import StoreLink, log
 from aioprefill.kvstore.stats import StoreStats
@@ -131,6 +132,28 @@ class PutQueue:
             if slot >= 0:
                 self._stage(slot, block_hash, tokens, parts)
 
+    def known_prefix(self, hashes: Sequence[int]) -> int:
+        """How many of `hashes`' first blocks this worker put (or loaded) recently: the store
+        very likely holds them (unless it evicted them since), no call needed to know."""
+        with self.cond:
+            n = 0
+            while n < len(hashes) and hashes[n] in self.recent:
+                n += 1
+        return n
+
+    def remember(self, hashes: Sequence[int]) -> None:
+        """Blocks just loaded from the store: known to be there, and not to be put again."""
+        if hashes:
+            with self.cond:
+                for block_hash in hashes:
+                    self._note(block_hash)
+
+    def _note(self, block_hash: int) -> None:
+        self.recent[block_hash] = None
+        self.recent.move_to_end(block_hash)
+        if len(self.recent) > _RECENT:
+            self.recent.popitem(last=False)
+
     def _take_slot(self, block_hash: int) -> int:
         """A free staging slot for `block_hash` (under `cond`), or -1 (counted) when the
         block was put recently or the budget is full."""
@@ -141,6 +164,8 @@ class PutQueue:
             return -1
         if not self.free:
             s.puts_dropped_full += 1
+            if DIAG is not None:
+                DIAG.dropped(block_hash)
             return -1
         return self.free.popleft()
 
@@ -159,9 +184,7 @@ class PutQueue:
                 self.free.append(slot)
             raise ValueError(f"block parts hold {at} bytes, a block payload is {len(payload)}")
         with self.cond:
-            self.recent[block_hash] = None
-            if len(self.recent) > _RECENT:
-                self.recent.popitem(last=False)
+            self._note(block_hash)
             self.pending.append((block_hash, slot))
             self.cond.notify()
         return True
@@ -241,6 +264,8 @@ class PutQueue:
         )
         s = self.stats
         unput = []
+        if DIAG is not None:
+            DIAG.put([h for (h, _), code in zip(batch, codes, strict=True) if code == 0])
         for (block_hash, _), code in zip(batch, codes, strict=True):
             if code == 0:
                 s.puts += 1

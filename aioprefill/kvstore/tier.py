@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from aioprefill.kvstore.cost import ForwardClock, HitRate, ReadClock
+from aioprefill.kvstore.diag import DIAG
 from aioprefill.kvstore.identity import StoreIdentity
 from aioprefill.kvstore.link import StoreLink
 from aioprefill.kvstore.loads import Chain, Loader
@@ -29,7 +30,7 @@ __all__ = ["StoreTier"]
 
 # When the cost rule keeps refusing, every this-many-th batch loads anyway, so that the
 # measured read cost and hit fraction follow the store.
-_PROBE_EVERY = 16
+_PROBE_EVERY = 4
 
 
 class StoreTier:
@@ -91,14 +92,16 @@ class StoreTier:
     def settle(self, cache_slots: Sequence[int]) -> None:
         self.puts.settle(cache_slots)
 
-    def load_pays(self, sizes: Sequence[int]) -> bool:
-        """The cost rule (`kvstore.cost`) for one call asking chains of `sizes` blocks, with
-        this worker's own measured read cost (`reads`), hit fraction (`hits`) and compute cost
+    def load_pays(self, sizes: Sequence[int], known: int = 0) -> bool:
+        """The cost rule (`kvstore.cost`) for one call asking chains of `sizes` blocks, the
+        first `known` of them (in all) known to be in the store, with this worker's own
+        measured read cost (`reads`), hit fraction (`hits`, for the others) and compute cost
         per token (`clock`)."""
         gain = self.identity.block_tokens * self.clock.seconds_per_token - self.reads.per_block()
         if gain <= 0 or not any(sizes):
             return False
-        return self.reads.latency() < self.hits.fraction * sum(sizes) * gain
+        expected = known + self.hits.fraction * (sum(sizes) - known)
+        return self.reads.latency() < expected * gain
 
     def load(
         self, chains: Sequence[Chain], sink: Callable[[int, int, memoryview], None]
@@ -107,13 +110,18 @@ class StoreTier:
         good prefix of each (all chains in one call, `loader.capacity` blocks at most);
         `sink(c, i, payload)` copies block i of chain c into its slot. Returns, per chain,
         how many blocks were handed over; the caller computes the rest. The call's time
-        teaches `reads`, what it found `hits`."""
-        if self.load_pays([len(chain) for chain in chains]):
+        teaches `reads`, what it found beyond the blocks known to be there `hits`."""
+        known = [self.puts.known_prefix([h for h, _ in chain]) for chain in chains]
+        decision = "load"
+        if self.load_pays([len(chain) for chain in chains], sum(known)):
             self.refused = 0
         else:
             self.stats.loads_skipped += 1
             self.refused += 1
+            decision = "probe"
             if self.refused % _PROBE_EVERY:
+                if DIAG is not None:
+                    DIAG.ask("skip", _hashes(chains), [0] * len(chains), 0.0, self._state())
                 return [0] * len(chains)
             # now and then anyway: a refused load teaches nothing
         calls, timeouts = self.stats.loads, self.stats.load_timeouts
@@ -122,8 +130,21 @@ class StoreTier:
         if self.stats.loads > calls and self.stats.load_timeouts == timeouts:
             self.reads.record(time.perf_counter() - start, sum(got))
             asked = min(sum(len(chain) for chain in chains), self.loader.capacity)
-            self.hits.record(sum(got), asked)
+            beyond = sum(max(0, g - k) for g, k in zip(got, known, strict=True))
+            self.hits.record(beyond, asked - sum(known))
+            self.puts.remember([h for c, g in zip(chains, got, strict=True) for h, _ in c[:g]])
+        if DIAG is not None:
+            if self.stats.load_timeouts > timeouts:
+                decision = "timeout"
+            elif self.stats.loads == calls:
+                decision = "busy"
+            took = time.perf_counter() - start
+            DIAG.ask(decision, _hashes(chains), got, took, self._state())
         return got
+
+    def _state(self) -> list[float]:
+        r = self.reads
+        return [r.latency(), r.per_block(), self.hits.fraction, self.clock.seconds_per_token]
 
     def record_forward(self, seconds: float, computed_tokens: int) -> None:
         self.clock.record(seconds, computed_tokens)
@@ -136,3 +157,7 @@ class StoreTier:
         loads_done = self.loader.close(timeout)
         if puts_done and loads_done and self.link.up.is_set():
             self.link.close()
+
+
+def _hashes(chains: Sequence[Chain]) -> list[list[int]]:
+    return [[h for h, _ in chain] for chain in chains]

@@ -58,8 +58,13 @@ class BlockStore:
         hidden_size: int,
         block_tokens: int,
     ) -> None:
-        self.num_blocks = num_blocks
         self.block_tokens = block_tokens
+        self._allocate(num_blocks, (num_layers, kv_heads, head_dim, hidden_size))
+
+    def _allocate(self, num_blocks: int, dims: tuple[int, int, int, int]) -> None:
+        num_layers, kv_heads, head_dim, hidden_size = dims
+        block_tokens = self.block_tokens
+        self.num_blocks = num_blocks
         shape = (num_layers, kv_heads, num_blocks, block_tokens, head_dim)
         self.keys = np.empty(shape, dtype=np.float32)  # lazily touched: RSS grows with use
         self.values = np.empty(shape, dtype=np.float32)
@@ -74,6 +79,14 @@ class BlockStore:
         top = (num_blocks, block_tokens, SCORED_TOP_K)
         self.top_ids = np.empty(top, dtype=np.int32)
         self.top_logprobs = np.empty(top, dtype=np.float32)
+
+    def add_slots(self, extra: int) -> None:
+        """`extra` slots past the engine's, which its plans never name (the KV store tier's
+        scratch: blocks loaded past the slots a prompt was given); before any is stored."""
+        if self.ready.any():
+            raise RuntimeError("slots added to a prefix cache already in use")
+        layers, heads, n, _, dim = self.keys.shape
+        self._allocate(n + extra, (layers, heads, dim, self.hidden.shape[-1]))
 
     @staticmethod
     def block_bytes(

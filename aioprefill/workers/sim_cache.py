@@ -27,6 +27,15 @@ class SimBlocks:
         self.tokens = np.empty((num_blocks, block_tokens), dtype=np.int32)
         self.valid = np.zeros(num_blocks, dtype=bool)
 
+    def add_slots(self, extra: int) -> None:
+        """`extra` slots past the engine's (the KV store tier's scratch); before any is
+        stored."""
+        if self.valid.any():
+            raise RuntimeError("slots added to a prefix cache already in use")
+        n, b = self.tokens.shape
+        self.tokens = np.empty((n + extra, b), dtype=np.int32)
+        self.valid = np.zeros(n + extra, dtype=bool)
+
     def slot_arrays(self, slot: int) -> list[np.ndarray]:
         """One slot's arrays as the KV store keeps them (`aioprefill.kvstore`; the store pads
         them to the slot's nominal bytes, a real model's KV for the block)."""

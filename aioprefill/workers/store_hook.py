@@ -9,7 +9,10 @@ blocks are *read*: the chunk starts `k * block_tokens` later, reads its slots pl
 ones, writes the rest. Nothing the engine planned changes: after the forward each write slot
 holds its block either way (loaded or computed), so the engine's index stays exact, and any
 failure (store down, block missing, refused, too slow) just means the blocks are computed.
-At least one token of every chunk is computed (a prompt's last token always is).
+At least one token of every chunk is computed (a prompt's last token always is). With
+`KVStoreOptions.scratch_blocks`, the chain goes on past the chunk's write slots into scratch
+slots the runner has past the engine's, its hashes chained here from the last block written or
+read; those blocks are read by this forward only (never indexed, never put).
 
 Once the answer is sent (`StoreHook.put_written`, before the worker takes its next batch, so
 no slot has changed yet), every block the forward wrote (not those loaded) is listed for the
@@ -28,13 +31,16 @@ what they loaded before running the forward's collectives.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import struct
 from typing import Any, Protocol
 
 import msgspec
 import numpy as np
 
 from aioprefill import protocol
+from aioprefill.kvstore.diag import DIAG
 from aioprefill.kvstore.identity import StoreIdentity, weights_digest
 from aioprefill.kvstore.options import KVStoreOptions
 from aioprefill.kvstore.tier import StoreTier
@@ -52,6 +58,7 @@ class Slots(Protocol):
     def slot_arrays(self, slot: int) -> list[np.ndarray]: ...
     def layout(self) -> str: ...
     def loaded(self, slot: int) -> None: ...
+    def add_slots(self, extra: int) -> None: ...
 
 
 def make_hook(spec: protocol.WorkerSpec, runner: Any) -> StoreHook | None:
@@ -72,7 +79,9 @@ def make_hook(spec: protocol.WorkerSpec, runner: Any) -> StoreHook | None:
     # nothing listening: worth waiting for (the first batches already use the store), never
     # longer than this.
     tier.link.tried.wait(spec.kv_store.load_timeout_s)
-    return StoreHook(tier, slots, spec.block_tokens, payload)
+    engine_blocks = int(runner.cache_blocks)
+    slots.add_slots(spec.kv_store.scratch_blocks)
+    return StoreHook(tier, slots, spec.block_tokens, payload, engine_blocks)
 
 
 def identity_for(
@@ -94,44 +103,66 @@ def identity_for(
 class StoreHook:
     """Loads before a forward, puts after it (see the module docstring)."""
 
-    def __init__(self, tier: StoreTier, slots: Slots, block_tokens: int, payload: int) -> None:
+    def __init__(
+        self, tier: StoreTier, slots: Slots, block_tokens: int, payload: int, engine_blocks: int
+    ) -> None:
         self.tier = tier
         self.slots = slots
         self.block_tokens = block_tokens
         pad = payload - sum(a.nbytes for a in slots.slot_arrays(0))
         self._pad = [np.zeros(pad, dtype=np.uint8)] if pad else []
         self.written: ForwardBatch | None = None  # the last forward's batch, until put
+        # Scratch slots (past the engine's) for blocks loaded past a prompt's write slots,
+        # chained from the hash of the block before them: the last written, or the last read
+        # (each engine slot's hash, as last written: `slot_hash`, known when `slot_known`).
+        self.scratch = list(range(engine_blocks, engine_blocks + tier.options.scratch_blocks))
+        self.slot_hash = np.zeros(engine_blocks, dtype=np.uint64)
+        self.slot_known = np.zeros(engine_blocks, dtype=bool)
 
     def before(self, batch: ForwardBatch) -> tuple[ForwardBatch, np.ndarray | None]:
         """The batch to run (its loaded blocks turned into reads) and the tokens loaded per
         chunk (None when none were)."""
-        hashes = batch.write_hashes
-        if batch.write_slots is not None:  # first: nothing may rewrite a slot not yet copied
-            self.tier.settle(batch.write_slots.tolist())
-        if hashes is None or batch.write_slots is None or not self.tier.is_up():
+        if batch.write_slots is None:
             return batch, None
+        self.tier.settle(batch.write_slots.tolist())  # first: no slot rewritten before copied
+        hashes = batch.write_hashes
+        if hashes is None:  # nothing written: chains from read slots only
+            if len(batch.write_slots):
+                return batch, None
+            hashes = np.empty(0, dtype=np.uint64)
         ro, rs, wo, ws, wf = (
             batch.read_offsets, batch.read_slots, batch.write_offsets, batch.write_slots,
             batch.write_first,
         )  # fmt: skip
         assert ro is not None and rs is not None and wo is not None and wf is not None
+        written_hashes = hashes.tolist()
+        self.slot_hash[ws] = hashes  # after this forward each write slot holds its block
+        self.slot_known[ws] = True
+        if not self.tier.is_up():
+            return batch, None
         b = self.block_tokens
         offsets, starts = batch.offsets.tolist(), batch.start_pos.tolist()
-        chunks, chains, targets = [], [], []
+        chunks, chains, targets, scratch = [], [], [], list(self.scratch)
         for i in range(batch.size):
-            reads, first = int(ro[i + 1] - ro[i]), int(wf[i])
-            if starts[i] != reads * b or first != reads or wo[i + 1] == wo[i]:
+            reads, first, w0, w1 = int(ro[i + 1] - ro[i]), int(wf[i]), int(wo[i]), int(wo[i + 1])
+            if starts[i] != reads * b or (w1 > w0 and first != reads):
                 continue  # a later chunk, or nothing written from the chunk's start
-            most = min(int(wo[i + 1] - wo[i]), (offsets[i + 1] - offsets[i] - 1) // b)
-            if most <= 0:
-                continue
-            a = offsets[i]
-            chunks.append(i)
-            chains.append(
-                [(int(hashes[wo[i] + j]), batch.tokens[a + j * b : a + (j + 1) * b])
-                 for j in range(most)]
-            )  # fmt: skip
-            targets.append(ws[wo[i] : wo[i] + most].tolist())
+            a, most = offsets[i], (offsets[i + 1] - offsets[i] - 1) // b
+            chain = [(written_hashes[w0 + j], batch.tokens[a + j * b : a + (j + 1) * b])
+                     for j in range(min(most, w1 - w0))]  # fmt: skip
+            target = ws[w0 : w0 + len(chain)].tolist()
+            parent = chain[-1][0] if chain else self._parent(rs[ro[i] : ro[i + 1]])
+            for j in range(len(chain), min(most, len(chain) + len(scratch))):
+                if parent is None:
+                    break
+                ids = batch.tokens[a + j * b : a + (j + 1) * b]
+                parent = _chained(parent, ids)
+                chain.append((parent, ids))
+                target.append(scratch.pop(0))
+            if chain:
+                chunks.append(i)
+                chains.append(chain)
+                targets.append(target)
         if not chains:
             return batch, None
 
@@ -143,7 +174,17 @@ class StoreHook:
             return batch, None
         blocks = np.zeros(batch.size, dtype=np.int32)
         blocks[chunks] = got
-        return _as_reads(batch, blocks, b), blocks * b
+        loaded = [np.empty(0, dtype=np.int32)] * batch.size
+        for i, target, g in zip(chunks, targets, got, strict=True):
+            loaded[i] = np.asarray(target[:g], dtype=np.int32)
+        return _as_reads(batch, blocks, loaded, b), blocks * b
+
+    def _parent(self, read_slots: np.ndarray) -> int | None:
+        """The hash of the last block a chunk reads, when known (None: no block read, so the
+        chain's seed is the request's salt, which the worker does not know)."""
+        if not len(read_slots) or not self.slot_known[read_slots[-1]]:
+            return None
+        return int(self.slot_hash[read_slots[-1]])
 
     def _fill(self, slot: int, payload: memoryview) -> None:
         at = 0
@@ -159,6 +200,8 @@ class StoreHook:
         the batch for `put_written`, which the worker calls once its answer is sent."""
         self.tier.record_forward(seconds, len(batch.tokens))
         self.written = batch
+        if DIAG is not None and batch.write_hashes is not None:
+            DIAG.wrote(batch.write_hashes.tolist())
 
     def put_written(self) -> None:
         """List every block the last forward wrote for a put (copied by the put thread, or
@@ -182,21 +225,31 @@ class StoreHook:
         return next(a for a in arrays if a.dtype == np.int32 and a.ndim == 1)
 
     def close(self) -> None:
-        import os
-
-        if os.environ.get("AIOP_STORE_DIAG"):
-            log.warning("store stats: %s", self.tier.stats)
+        if DIAG is not None:
+            DIAG.write(self.tier.stats.as_dict())
         self.tier.close()
 
 
-def _as_reads(batch: ForwardBatch, blocks: np.ndarray, b: int) -> ForwardBatch:
-    """`batch` with the first `blocks[i]` written blocks of chunk i read instead (loaded)."""
+def _chained(parent: int, ids: np.ndarray) -> int:
+    """The block hash of `ids` after the block hashed `parent` (`prefix.hashing`)."""
+    digest = hashlib.blake2b(
+        struct.pack("<Q", parent) + np.ascontiguousarray(ids, dtype="<i4").tobytes(), digest_size=8
+    ).digest()
+    return int(struct.unpack("<Q", digest)[0])
+
+
+def _as_reads(
+    batch: ForwardBatch, blocks: np.ndarray, loaded: list[np.ndarray], b: int
+) -> ForwardBatch:
+    """`batch` with the first `blocks[i]` blocks of chunk i read (from the slots `loaded[i]`
+    they were loaded into: its write slots, then scratch ones) instead of computed."""
     ro, rs, wo, ws, wf, wh = (
         batch.read_offsets, batch.read_slots, batch.write_offsets, batch.write_slots,
         batch.write_first, batch.write_hashes,
     )  # fmt: skip
     assert ro is not None and rs is not None and wo is not None and ws is not None
-    assert wf is not None and wh is not None
+    assert wf is not None
+    wh = np.empty(0, dtype=np.uint64) if wh is None else wh
     n, offsets = batch.size, batch.offsets
     keep_tokens, reads, writes, hashes = [], [], [], []
     new_ro, new_wo = [0], [0]
@@ -204,11 +257,11 @@ def _as_reads(batch: ForwardBatch, blocks: np.ndarray, b: int) -> ForwardBatch:
         k = int(blocks[i])
         keep_tokens.append(batch.tokens[offsets[i] + k * b : offsets[i + 1]])
         w = ws[wo[i] : wo[i + 1]]
-        reads += [rs[ro[i] : ro[i + 1]], w[:k]]
+        reads += [rs[ro[i] : ro[i + 1]], loaded[i]]
         writes.append(w[k:])
-        hashes.append(wh[wo[i] + k : wo[i + 1]])
+        hashes.append(wh[wo[i] + min(k, len(w)) : wo[i + 1]])
         new_ro.append(new_ro[-1] + int(ro[i + 1] - ro[i]) + k)
-        new_wo.append(new_wo[-1] + len(w) - k)
+        new_wo.append(new_wo[-1] + len(w[k:]))
     lens = np.diff(offsets) - blocks * b
     return dataclasses.replace(
         batch,

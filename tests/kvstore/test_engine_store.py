@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -171,6 +172,31 @@ async def test_a_second_node_reads_what_the_first_computed(master):
             expected_token([*shared, 4, 5]),
             expected_token([*shared, 6, 7, 8]),
         )
+
+
+async def test_blocks_past_the_local_slots_load_into_scratch_slots(master):
+    cfg = config(master)
+    small = dataclasses.replace(
+        config(master, cache_blocks=4),
+        kv_store_options=dataclasses.replace(cfg.kv_store_options, scratch_blocks=16),
+    )
+    async with Engine(cfg) as a, Engine(small) as b, Engine(config(master, 4)) as c:
+        prompt = ids(11, 200)  # 12 full blocks, 192 tokens cacheable
+        first = await a.prefill(prompt, prompt_logprobs=True)
+        await asyncio.to_thread(wait_stored, master, prompt)
+        second = await b.prefill(prompt, prompt_logprobs=True)
+        assert second.cached_tokens == 192  # 4 blocks into its slots, 8 into scratch ones
+        assert second.token == first.token == expected_token(prompt)
+        np.testing.assert_array_equal(second.prompt_logprobs, first.prompt_logprobs)
+        without = await c.prefill(prompt)  # no scratch slots: only what its slots hold
+        assert without.cached_tokens == 64 and without.token == first.token
+        # B's cache now holds the prompt's first 4 blocks: a longer prompt reads them, then
+        # loads the next ones past the slots it is given, chained from the last one read.
+        longer = [*prompt, *ids(13, 40)]
+        await a.prefill(longer)
+        await asyncio.to_thread(wait_stored, master, longer)
+        third = await b.prefill(longer)
+        assert third.cached_tokens == 224 and third.token == expected_token(longer)
 
 
 async def test_killing_the_master_mid_run_fails_no_request(master):

@@ -7,13 +7,15 @@ test model and on the real SmolLM2."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
 import uvloop
 
 from aioprefill import Engine, EngineConfig, PaddleModel
-from tests.kvstore.test_engine_store import config, running_master, wait_stored
+from aioprefill.workers.prefix_blocks import BlockStore
+from tests.kvstore.test_engine_store import DIMS, config, running_master, wait_stored
 from tests.kvstore.util import need_store
 from tests.model.batches import small
 from tests.test_prefix_paddle import ALL, both, ids, same
@@ -21,13 +23,28 @@ from tests.test_prefix_paddle import ALL, both, ids, same
 need_store()
 
 
-def _store_hit_is_a_miss(model: PaddleModel, prompt: list[int], cached: int) -> None:
+def _store_hit_is_a_miss(
+    model: PaddleModel, prompt: list[int], cached: int, local_blocks: int = 0
+) -> None:
+    """`local_blocks`: node B's own cache holds only that many blocks (0: 64 MiB), and loads
+    the rest of the prompt's blocks into scratch slots."""
+
     async def main() -> None:
         with running_master() as master:
             cfg = config(master, model=model)
+            cfg_b = cfg
+            if local_blocks:
+                dims = (model.num_layers, model.num_kv_heads, model.head_dim, model.hidden_size)
+                block = BlockStore.block_bytes(
+                    **dict(zip(DIMS, dims, strict=True)), block_tokens=16
+                )
+                store = dataclasses.replace(cfg.kv_store_options, scratch_blocks=16)
+                cfg_b = dataclasses.replace(
+                    cfg, prefix_cache_bytes=local_blocks * block, kv_store_options=store
+                )
             async with (
                 Engine(cfg) as a,
-                Engine(cfg) as b,
+                Engine(cfg_b) as b,
                 Engine(EngineConfig(model=model, prefix_cache_bytes=0)) as off,
             ):
                 first = await a.prefill(prompt, **ALL)
@@ -40,6 +57,8 @@ def _store_hit_is_a_miss(model: PaddleModel, prompt: list[int], cached: int) -> 
                 assert kv_hit is not None and kv_miss is not None
                 assert np.array_equal(kv_hit[0], kv_miss[0])
                 assert np.array_equal(kv_hit[1], kv_miss[1])
+                if local_blocks:
+                    return
                 last = await b.prefill(prompt[:97], embed="last", prompt_logprobs=True)
                 want = await off.prefill(prompt[:97], embed="last", prompt_logprobs=True)
                 same(last, want, bitwise=True)  # a hit from b's own cache now
@@ -49,6 +68,11 @@ def _store_hit_is_a_miss(model: PaddleModel, prompt: list[int], cached: int) -> 
 
 def test_a_store_hit_is_bitwise_a_miss() -> None:
     _store_hit_is_a_miss(small(deterministic=True, seed=52), ids(7, 150), 144)
+
+
+def test_a_store_hit_past_the_local_slots_is_bitwise_a_miss() -> None:
+    # B's cache gives the prompt 3 slots; the other 6 blocks land in scratch slots
+    _store_hit_is_a_miss(small(deterministic=True, seed=52), ids(7, 150), 144, local_blocks=3)
 
 
 @pytest.mark.slow

@@ -233,3 +233,19 @@ def test_a_deferred_block_is_copied_before_its_cache_slot_is_rewritten(master, r
         assert k == 4
     finally:
         t.close()
+
+
+def test_blocks_put_or_loaded_are_known_to_be_stored_without_a_call(master, reader):
+    writer = tier(master.address)
+    try:
+        blocks = Blocks(4, seed=31)
+        assert writer.puts.known_prefix(blocks.hashes) == 0
+        assert blocks.offer_all(writer) == 4
+        drain(writer)
+        assert writer.puts.known_prefix([*blocks.hashes[:2], 12345, blocks.hashes[2]]) == 2
+        assert reader.puts.known_prefix(blocks.hashes) == 0  # another worker's puts
+        assert blocks.load(reader)[0] == 4
+        assert reader.puts.known_prefix(blocks.hashes) == 4  # loaded: known, and not put again
+        assert not reader.offer(blocks.hashes[0], blocks.tokens[0], [blocks.payloads[0]])
+    finally:
+        writer.close()
