@@ -1,5 +1,5 @@
 """Where the store's hits go: one `store` run of `bench_kvstore_cluster` with every worker's
-store-tier event log on (`AIOP_STORE_DIAG`, `aioprefill.kvstore.diag`), then, per request, the
+store-tier event log on (`AIOPREFILL_STORE_DIAG`, `aioprefill.kvstore.diag`), then, per request, the
 blocks an ideal store would have given it (unbounded, instant puts: every full block of its
 prompt's prefix that an earlier request's prompt had, the last token excepted) against what it
 got (`cached_tokens`), the missing blocks put in the first category that explains them:
@@ -163,7 +163,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = str(args.logs or tmp)
         Path(d).mkdir(parents=True, exist_ok=True)
-        os.environ["AIOP_STORE_DIAG"] = d  # the workers inherit it
+        os.environ["AIOPREFILL_STORE_DIAG"] = d  # the workers inherit it
         with LocalMaster() as m:
             store = KVStoreOptions(
                 master=m.address,

@@ -1,5 +1,5 @@
 """`Diag`: a worker's store-tier event log for finding where store hits are lost, on only when
-`AIOP_STORE_DIAG` names a directory (benchmarks: `benchmarks/kvstore_gap.py` reads it). Each
+`AIOPREFILL_STORE_DIAG` names a directory (benchmarks: `benchmarks/kvstore_gap.py` reads it). Each
 worker keeps, in memory, its lookups (asked, decided, found), its forwards' written blocks and
 its completed or dropped puts (wall-clock times, comparable across the host's processes), and
 writes them to `<dir>/store-<pid>.json` when it stops. Off: every call is a no-op check."""
@@ -44,5 +44,5 @@ class Diag:
         self.path.write_text(json.dumps(data))
 
 
-_dir = os.environ.get("AIOP_STORE_DIAG")
+_dir = os.environ.get("AIOPREFILL_STORE_DIAG")
 DIAG: Diag | None = Diag(_dir) if _dir else None
