@@ -115,43 +115,28 @@ def make_prefill_batch(
     for part in token_parts:
         total += len(part) >> 2
         offsets.append(total)
-    request_col = struct.pack(f"<{n}q", *request_ids)
-    offsets_col = struct.pack(f"<{n + 1}i", *offsets)
-    start_col = bytes(4 * n) if start_pos is None else struct.pack(f"<{n}i", *start_pos)
-    flags_col = _WHOLE_PROMPT * n if flags is None else bytes(flags)
-    free_col = struct.pack(f"<{len(free_ids)}q", *free_ids) if free_ids else b""
-    if cache is None:
-        msg = PrefillBatch(
-            batch_id=batch_id,
-            request_ids=request_col,
-            offsets=offsets_col,
-            tokens=b"".join(token_parts),
-            start_pos=start_col,
-            flags=flags_col,
-            free_ids=free_col,
-            sent_ns=sent_ns,
-        )
-    else:  # in the one call: a Struct's field set after it is made costs ~0.1 us (x 6 here)
-        reads, read_slots, writes, write_slots, first, hashes = cache
-        msg = PrefillBatch(
-            batch_id=batch_id,
-            request_ids=request_col,
-            offsets=offsets_col,
-            tokens=b"".join(token_parts),
-            start_pos=start_col,
-            flags=flags_col,
-            free_ids=free_col,
-            sent_ns=sent_ns,
-            read_offsets=reads,
-            read_slots=read_slots,
-            write_offsets=writes,
-            write_slots=write_slots,
-            write_first=first,
-            write_hashes=hashes,
-        )
+    # The cache columns go in the one call: a Struct field set after it is made costs ~0.1 us.
+    reads, read_slots, writes, write_slots, first, hashes = cache or _NO_CACHE
+    msg = PrefillBatch(
+        batch_id=batch_id,
+        request_ids=struct.pack(f"<{n}q", *request_ids),
+        offsets=struct.pack(f"<{n + 1}i", *offsets),
+        tokens=b"".join(token_parts),
+        start_pos=bytes(4 * n) if start_pos is None else struct.pack(f"<{n}i", *start_pos),
+        flags=_WHOLE_PROMPT * n if flags is None else bytes(flags),
+        free_ids=struct.pack(f"<{len(free_ids)}q", *free_ids) if free_ids else b"",
+        sent_ns=sent_ns,
+        read_offsets=reads,
+        read_slots=read_slots,
+        write_offsets=writes,
+        write_slots=write_slots,
+        write_first=first,
+        write_hashes=hashes,
+    )
     if options is not None:
         msg.options, msg.top_k, msg.kv_names = options
     return msg
 
 
 _WHOLE_PROMPT = bytes([FLAG_FIRST_CHUNK | FLAG_LAST_CHUNK])
+_NO_CACHE = (b"",) * 6  # PrefillBatch's defaults for the six prefix cache columns
