@@ -96,8 +96,8 @@ async def run(trace, configs: list[EngineConfig], speedup: float) -> dict[str, f
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cluster_arguments(ap: argparse.ArgumentParser) -> None:
+    """The cluster's options (also `kvstore_gap.py`'s)."""
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--speedup", type=float, default=4.0)
     ap.add_argument("--block", type=int, default=16)
@@ -107,6 +107,11 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--scratch-blocks", type=int, default=0, help="KVStoreOptions.scratch_blocks")
     ap.add_argument("--preset", default="gpu-class", choices=sorted(SIM_PRESETS))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cluster_arguments(ap)
     args = ap.parse_args()
     trace = load_trace(args.trace, args.requests, args.block)
     cost = SIM_PRESETS[args.preset]

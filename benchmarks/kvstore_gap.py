@@ -139,18 +139,11 @@ def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=600)
-    ap.add_argument("--speedup", type=float, default=4.0)
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--local-blocks", type=int, default=64)
-    ap.add_argument("--kv-per-token", type=int, default=2048)
-    ap.add_argument("--segment-mb", type=int, default=256)
+    bench.cluster_arguments(ap)
     ap.add_argument("--logs", type=Path, help="keep the workers' logs here")
     ap.add_argument("--analyse", type=Path, help="only analyse the logs a run left here")
-    ap.add_argument("--scratch-blocks", type=int, default=0, help="KVStoreOptions.scratch_blocks")
-    ap.add_argument("--preset", default="gpu-class", choices=sorted(SIM_PRESETS))
     args = ap.parse_args()
-    trace = bench.load_trace(bench.TRACE, args.requests, args.block)
+    trace = bench.load_trace(args.trace, args.requests, args.block)
     if args.analyse:
         logs = [json.loads(p.read_text()) for p in sorted(args.analyse.glob("store-*.json"))]
         reqs = json.loads((args.analyse / "requests.json").read_text())
