@@ -9,7 +9,8 @@
 2. `cost`: runner-level tokens per CPU-second (process CPU time, median of `--repeats`
    forwards after a warm-up; half as many of the full batch) of a lone 37-token request, a
    50-token suffix after a cached 1,000-token prefix, a full batch of 8 x 280 tokens, and the
-   37-token request with prompt log-probabilities. To compare two versions of the code,
+   37-token request with prompt log-probabilities, and a lone 1,024-token prompt (where
+   attention weighs most). To compare two versions of the code,
    alternate processes with each on PYTHONPATH (the command used is in the results).
 
     python benchmarks/bench_hit_exact.py diffs [--deterministic] [--threads 1]
@@ -155,6 +156,7 @@ def cost(args: argparse.Namespace) -> None:
     }
     one = make_batch([rng.integers(0, vocab, 37).astype(np.int32)], ids=[4])
     batches["1x37 scored"] = with_options(one, [protocol.OPT_PROMPT_LOGPROBS], [0])
+    batches["1x1024"] = make_batch([rng.integers(0, vocab, 1024).astype(np.int32)], ids=[5])
     for label, batch in batches.items():
         runner.forward(batch)
         cpus = []
