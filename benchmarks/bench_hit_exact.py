@@ -12,9 +12,11 @@
    37-token request with prompt log-probabilities, and a lone 1,024-token prompt (where
    attention weighs most). To compare two versions of the code,
    alternate processes with each on PYTHONPATH (the command used is in the results).
+3. `attention`: which of attention's steps change a row's bits with the shape they run in.
 
     python benchmarks/bench_hit_exact.py diffs [--deterministic] [--threads 1]
     python benchmarks/bench_hit_exact.py cost [--repeats 5] [--threads 1]
+    python benchmarks/bench_hit_exact.py attention [--threads 1]
 """
 
 from __future__ import annotations
@@ -173,9 +175,46 @@ def cost(args: argparse.Namespace) -> None:
         )
 
 
+def attention(args: argparse.Namespace) -> None:
+    """Which of attention's steps change a row's bits with the block's shape (SmolLM2's heads,
+    1,050 keys, unit-normal data): the scores' product with its key count and query rows, the
+    softmax and the probabilities x values product with masked keys after the row's own."""
+    import paddle
+    import paddle.nn.functional as F
+
+    paddle.set_device("cpu")
+    paddle.base.core.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    kv_heads, rows, dim, n = 3, 150, 64, 1050
+
+    def t(*shape: int) -> paddle.Tensor:
+        return paddle.to_tensor(rng.standard_normal(shape).astype(np.float32))
+
+    q, k, v = t(kv_heads, rows, dim), t(kv_heads, n + 100, dim), t(kv_heads, n + 100, dim)
+    scores = paddle.matmul(q, k[:, :n], transpose_y=True)
+    more_keys = paddle.matmul(q, k[:, : n + 38], transpose_y=True).numpy()[..., :n]
+    fewer_rows = paddle.matmul(q[:, :60], k[:, :n], transpose_y=True).numpy()
+    print(f"  scores, 38 more keys: same bits {np.array_equal(scores.numpy(), more_keys)}")
+    print(
+        f"  scores, 60 of 150 rows: same bits {np.array_equal(scores.numpy()[:, :60], fewer_rows)}"
+    )
+    probs = F.softmax(scores, axis=-1)
+    out = paddle.matmul(probs, v[:, :n]).numpy()
+    for m in (1, 7, 38, 64):
+        masked = paddle.full([kv_heads, rows, m], float("-inf"))
+        p2 = F.softmax(paddle.concat([scores, masked], axis=-1), axis=-1)
+        zeros = paddle.zeros([kv_heads, m, dim])
+        o2 = paddle.matmul(p2, paddle.concat([v[:, :n], zeros], axis=1)).numpy()
+        same = np.array_equal(probs.numpy(), p2.numpy()[..., :n])
+        print(
+            f"  {m:3d} masked keys after: softmax same bits {same}, "
+            f"probs x values max |d| {np.abs(out - o2).max():.1e}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("diffs", "cost"))
+    parser.add_argument("part", choices=("diffs", "cost", "attention"))
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
@@ -185,7 +224,7 @@ def main() -> None:
 
     print(f"$ python benchmarks/bench_hit_exact.py {' '.join(sys.argv[1:])}")
     print(f"{library_versions()}, {args.threads} thread(s)", flush=True)
-    (diffs if args.part == "diffs" else cost)(args)
+    {"diffs": diffs, "cost": cost, "attention": attention}[args.part](args)
 
 
 if __name__ == "__main__":
