@@ -13,11 +13,14 @@ own shapes with its own thread count: the last m rows of a 1,050-row product aga
 product, m from 16 to 280 (the head: 16-64 rows against 128, the tiles its prompt
 log-probabilities run in), on random inputs (kernels are chosen by shape, not values), and pads
 to the smallest of 16, 32, 64 rows above every count that moved. A sample, not a proof: row
-counts between or beyond those tried are not. Where rows move at 64 or more, a CPU worker runs
-the fixed row tiles of `deterministic=True` instead (`Products(tile_rows=64)`: every product
-has exactly 64 rows; 4-15% slower on full batches, more on a lone short request) and logs a
-warning; a GPU worker only logs it (64-row tiles would waste a GPU; no GPU measured here).
-Mixture-of-experts layers' expert products are neither checked nor padded.
+counts between or beyond those tried are not. Where rows move at 64 or more, the worker keeps
+untiled products on at least 64 rows and logs a warning: hits there may differ from the
+cache-off answer by float32 rounding (up to 1.4e-4 on prompt top-k log-probabilities, Xeon, 2
+threads), and `deterministic=True`, or one thread per worker, is the exact choice. Fixed 64-row
+tiles would be exact but cost 1.6-1.8x the CPU time of a full batch at 2 threads (8 x 280:
+240-303 against 425-470 tok/CPU-s; 64-row tiles of the down projection alone: 52 against 21 ms
+per layer), too much for a default. Mixture-of-experts layers' expert products are neither
+checked nor padded.
 """
 
 from __future__ import annotations
@@ -79,24 +82,20 @@ def _host(t: paddle.Tensor) -> np.ndarray:
 
 
 def checked_products(
-    device: str, threads: int, layer: Layer, lm_head: paddle.Tensor, tile: int
+    device: str, threads: int, layer: Layer, lm_head: paddle.Tensor
 ) -> tuple[Products, int]:
-    """The default mode's `Products` and the fewest rows a product gets (`row_floor`): untiled,
-    or on a CPU where rows moved at 64 rows or more, fixed tiles of `tile` rows. A GPU keeps
-    its untiled products at 64 rows or more either way (64-row tiles would waste it; not
-    measured on one), and says so when its rows move."""
+    """The default mode's untiled `Products` and the fewest rows a product gets (`row_floor`;
+    64 where rows moved at 64 or more, with a warning that hits may then differ by rounding)."""
     mm = Products(device, threads, None)
     floor, moved = row_floor(mm, layer, lm_head)
     if floor is not None:
         return mm, floor
-    tiled = device == "cpu"
     log.warning(
-        "%s, %d thread(s): product rows move with the row count at 64 rows or more (%s): %s",
+        "%s, %d thread(s): product rows move with the row count at 64 rows or more (%s): a "
+        "prefix-cache hit may differ from the cache-off answer by float rounding "
+        "(deterministic=True, or one thread per worker, keeps hits exact)",
         device,
         threads,
         moved,
-        f"the default mode runs fixed tiles of {tile} rows (as deterministic=True)"
-        if tiled
-        else "a prefix-cache hit may differ from the cache-off answer by float rounding",
     )
-    return (Products(device, threads, tile), tile) if tiled else (mm, _FLOORS[-1])
+    return mm, _FLOORS[-1]

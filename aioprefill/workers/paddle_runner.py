@@ -17,13 +17,13 @@ sits in a trailing partial block, or (for some row counts) by its position. By d
 allowed: a request's log-probability moves by ~1e-7 between batch compositions (the tests hold
 it to 1e-5), but a prefix-cache hit or a chunk cut changes no bit: every product has at least
 `_floor` rows (zero-padded), from which a row's result does not move with the row count
-(checked when the runner starts, else fixed tiles: `paddle_rows`), and attention runs on query
-tiles of `_ATTN_TILE` absolute positions. `deterministic=True` makes results bitwise identical
-by never letting a shape depend on the batch: the linear layers multiply fixed tiles of
-`_TILE_ROWS` rows and the LM head fixed tiles of `_HEAD_TILE_ROWS` rows, zero-padded, and
-attention tiles are zero-padded too (MKL treated every row position of a 64- or 16-row product
-alike, not of a 32-row one; tests check it bitwise): ~1.1x the cost on full batches, up to 2.3x
-on a lone short request (benchmarks/bench_paddle_model.py).
+(checked when the runner starts, `paddle_rows`; where it fails, a warning), and attention
+runs on query tiles of `_ATTN_TILE` absolute positions. `deterministic=True` makes results
+bitwise identical by never letting a shape depend on the batch: the linear layers multiply
+fixed tiles of `_TILE_ROWS` rows and the LM head fixed tiles of `_HEAD_TILE_ROWS` rows,
+zero-padded, and attention tiles are zero-padded too (MKL treated every row position of a 64-
+or 16-row product alike, not of a 32-row one; tests check it bitwise): ~1.1x the cost on full
+batches, up to 2.3x on a lone short request (benchmarks/bench_paddle_model.py).
 
 This module is imported only in worker processes (a forkserver may preload it): it imports
 paddle, and first sets MKL's CPU dispatch on AMD processors; a CPU runner also changes how
@@ -143,9 +143,7 @@ class PaddleRunner:
         self._mm, self._floor = (
             (Products(self.device, spec.num_threads, _TILE_ROWS), _TILE_ROWS)
             if self._deterministic
-            else checked_products(
-                self.device, spec.num_threads, self._layers[0], weights.lm_head, _TILE_ROWS
-            )
+            else checked_products(self.device, spec.num_threads, self._layers[0], weights.lm_head)
         )
         self._tiled = self._mm.tile_rows is not None
         tile = _HEAD_TILE_ROWS if self._tiled else None
