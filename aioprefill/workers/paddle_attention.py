@@ -9,14 +9,12 @@ result; in deterministic mode (`tile`) they depend only on each row's absolute p
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 from aioprefill.workers.kv_writer import KVSegmentWriter
 from aioprefill.workers.paddle_head import host
+from aioprefill.workers.paddle_ops import causal_softmax_
 
 __all__ = ["KVCache", "attend", "export_layer"]
 
@@ -40,14 +38,6 @@ class KVCache:
         self.values: list[paddle.Tensor | None] = [None] * num_layers
         self.length = 0
         self.tail: tuple[np.ndarray, np.ndarray] | None = None
-
-
-@functools.lru_cache(maxsize=512)
-def _triangle(heads: int, rows: int, dtype: paddle.dtype, place: str) -> paddle.Tensor:
-    """Additive causal mask [heads, rows, rows]: -inf above the diagonal. Copied out per head
-    because paddle's CPU kernels broadcast ~10x slower than they add equal shapes."""
-    upper = paddle.triu(paddle.full([rows, rows], float("-inf"), dtype=dtype), diagonal=1)
-    return paddle.concat([upper.unsqueeze(0)] * heads)
 
 
 def attend(
@@ -86,22 +76,25 @@ def attend(
     if tile is not None:
         return _aligned(q[:, :, begin:end], keys, values, past, tile)
     block = max(1, min(_QUERY_BLOCK, _SCORE_BUDGET // (heads * keys.shape[1])))
-    place = paddle.get_device()
     outs = []
     for lo in range(0, length, block):
         rows = min(block, length - lo)
         seen = past + lo  # keys every row of this block sees
         qb = q[:, :, begin + lo : begin + lo + rows].reshape([kv_heads, group * rows, dim])
-        scores = paddle.matmul(qb, keys[:, seen : seen + rows], transpose_y=True)
-        scores = scores.reshape([heads, rows, rows])
-        if rows > 1:
-            scores = scores + _triangle(heads, rows, scores.dtype, place)
-        if seen:
-            before = paddle.matmul(qb, keys[:, :seen], transpose_y=True)
-            scores = paddle.concat([before.reshape([heads, rows, seen]), scores], axis=-1)
-        probs = F.softmax(scores, axis=-1).reshape([kv_heads, group * rows, seen + rows])
-        outs.append(paddle.matmul(probs, values[:, : seen + rows]).reshape([heads, rows, dim]))
+        outs.append(_tile(qb, keys[:, : seen + rows], values[:, : seen + rows], heads, rows))
     return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)
+
+
+def _tile(
+    q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, heads: int, rows: int
+) -> paddle.Tensor:
+    """One query block: `q` [kv_heads, group * rows, dim] against `keys`/`values` [kv_heads,
+    n, dim], whose last `rows` positions are the block's own (the causal mask's square), to
+    [heads, rows, dim]. One product scores every key (the mask and the softmax then run in place
+    on its output: `paddle_ops`), one more weighs the values."""
+    scores = paddle.matmul(q, keys, transpose_y=True)
+    probs = causal_softmax_(scores, heads, rows)
+    return paddle.matmul(probs, values).reshape([heads, rows, keys.shape[-1]])
 
 
 def _aligned(
@@ -121,7 +114,6 @@ def _aligned(
     if extra:
         pad = paddle.zeros([kv_heads, extra, dim], dtype=keys.dtype)
         keys, values = paddle.concat([keys, pad], axis=1), paddle.concat([values, pad], axis=1)
-    place = paddle.get_device()
     outs = []
     for t in range(first, last + 1):
         lo, hi = t * tile, (t + 1) * tile
@@ -135,13 +127,7 @@ def _aligned(
                 parts.append(paddle.zeros([kv_heads, group, hi - qb, dim], dtype=q.dtype))
             qt = paddle.concat(parts, axis=2)
         qt = qt.reshape([kv_heads, group * tile, dim])
-        scores = paddle.matmul(qt, keys[:, lo:hi], transpose_y=True).reshape([heads, tile, tile])
-        scores = scores + _triangle(heads, tile, scores.dtype, place)
-        if lo:
-            before = paddle.matmul(qt, keys[:, :lo], transpose_y=True)
-            scores = paddle.concat([before.reshape([heads, tile, lo]), scores], axis=-1)
-        probs = F.softmax(scores, axis=-1).reshape([kv_heads, group * tile, hi])
-        out = paddle.matmul(probs, values[:, :hi]).reshape([heads, tile, dim])
+        out = _tile(qt, keys[:, :hi], values[:, :hi], heads, tile)
         outs.append(out[:, qa - lo : qb - lo] if qb - qa < tile else out)
     return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)
 
