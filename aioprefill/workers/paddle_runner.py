@@ -62,6 +62,7 @@ from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  #
 from aioprefill.workers.paddle_gemm import Products  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle_norm import rms_norm_for  # noqa: E402
+from aioprefill.workers.paddle_ops import Rope  # noqa: E402
 from aioprefill.workers.paddle_prefix import PrefixForward, keep_tail  # noqa: E402
 from aioprefill.workers.paddle_shard import Shard  # noqa: E402
 from aioprefill.workers.paddle_weights import Layer, load_to_device, rope_tables  # noqa: E402
@@ -261,12 +262,8 @@ class PaddleRunner:
         ids[:total] = batch.tokens
         x = F.embedding(paddle.to_tensor(ids), self._embed)
         starts = batch.start_pos.tolist()
-        # Paddle's CPU kernels are slow at broadcasting (~10x), so the RoPE tables are copied
-        # out to the full [heads + kv_heads, rows, dim] shape once per forward.
-        pos = paddle.to_tensor(positions)
+        rope = Rope(self._cos, self._sin, positions)  # this batch's rows of the tables
         qk_heads = heads + kv_heads
-        cos = paddle.concat([paddle.gather(self._cos, pos).unsqueeze(0)] * qk_heads)
-        sin = paddle.concat([paddle.gather(self._sin, pos).unsqueeze(0)] * qk_heads)
 
         request_ids = batch.request_ids.tolist()
         is_last = batch.is_last.tolist()
@@ -299,7 +296,7 @@ class PaddleRunner:
                         rms_norm(qk[heads:], layer.k_norm, eps),
                     ]
                 )
-            qk = qk * cos + paddle.roll(qk, dim // 2, axis=-1) * sin
+            qk = rope(qk)  # in place on a CPU
             q = qk[:heads].reshape([kv_heads, heads // kv_heads, rows, dim])
             k, v = qk[heads:], qkv[qk_heads:]
             outs = []
