@@ -62,7 +62,7 @@ from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  #
 from aioprefill.workers.paddle_gemm import Products  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle_norm import rms_norm_for  # noqa: E402
-from aioprefill.workers.paddle_ops import Rope  # noqa: E402
+from aioprefill.workers.paddle_ops import Rope, swiglu  # noqa: E402
 from aioprefill.workers.paddle_prefix import PrefixForward, keep_tail  # noqa: E402
 from aioprefill.workers.paddle_shard import Shard  # noqa: E402
 from aioprefill.workers.paddle_weights import Layer, load_to_device, rope_tables  # noqa: E402
@@ -202,7 +202,7 @@ class PaddleRunner:
         """The dense SwiGLU MLP, or the layer's mixture of experts (partial sums under TP)."""
         if layer.moe is not None:
             return layer.moe.forward(h, self._shard.group if self._shard.ep_size > 1 else None)
-        return self._linear(F.swiglu(self._linear(h, layer.gate_up)), layer.down)
+        return self._linear(swiglu(self._linear(h, layer.gate_up)), layer.down)
 
     def _check(self, batch: ForwardBatch) -> None:
         if batch.size == 0:
