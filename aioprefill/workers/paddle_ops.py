@@ -2,14 +2,16 @@
 NumPy runs them on the tensors' memory (zero-copy through DLPack) and oneDNN the softmax
 (`paddle_softmax`); on a GPU they stay Paddle ops.
 
-Why, measured on the project's 2-vCPU Zen 4 (SmolLM2-135M, 8 x 280 ids, 1 thread, py-spy):
-Paddle's CPU kernels for these ops were ~20% of a forward. Its `swiglu` calls the scalar `exp`
-of libm per element (9.1 ms for 2,240 x 1,536: NumPy's vectorised passes in row chunks that stay
-in cache take 5 ms); RoPE as `x * cos + roll(x) * sin` ran four passes over `[heads, rows, dim]`
-plus full-size cos/sin tables copied out per forward (Paddle broadcasts ~10x slower than it adds
-equal shapes; 5.5 ms per layer at 2,240 rows), where NumPy broadcasts `[rows, dim / 2]` tables
-over the heads in place (2.7 ms); the causal mask was a `[heads, rows, rows]` tensor added
-out of place and the scores of a query block's earlier keys a second product joined by a concat.
+Why, measured on the project's 2-vCPU Zen 4 (SmolLM2-135M, 8 x 280 ids, 1 thread; py-spy, and
+each op timed inside real forwards): Paddle's CPU kernels for these ops were ~20% of a forward.
+RoPE as `x * cos + roll(x) * sin` over full-size `[heads, rows, dim]` cos/sin tables copied out
+per forward (Paddle broadcasts ~10x slower than it adds equal shapes) took 7.4 ms per layer at
+2,240 rows; NumPy broadcasting `[rows, dim]` tables over the heads, in place, 3.6 ms. The
+causal mask was a `[heads, rows, rows]` tensor added out of place, the scores of a query
+block's earlier keys a second product joined by a concat, and Paddle's softmax kernel scalar
+(`paddle_softmax`). Paddle's `swiglu` calls libm's scalar `exp` per element: 8.9 ms per layer
+at 2,240 x 1,536, NumPy's vectorised passes in row chunks that stay in cache 7.4 ms (oneDNN's
+eltwise kernels did no better here: 9.6 ms, and its fused swish-times-up is not JIT-compiled).
 
 Numbers: RoPE computes the same float32 operations in the same order (bitwise the same); SwiGLU
 and the softmax round differently from Paddle's kernels (a few float32 ulps). Every operation is
@@ -30,7 +32,7 @@ from aioprefill.workers.paddle_softmax import onednn_softmax_available, softmax_
 __all__ = ["Rope", "causal_softmax_", "swiglu"]
 
 # SwiGLU runs this many rows at a time: a chunk's gate, up and scratch stay in L2 (32 x 1,536
-# floats are 192 KiB); 16 to 128 measured within 10% of each other, 2,240 at once 1.3x slower.
+# floats are 192 KiB); 16 to 128 rows measured within 10% of each other (outside a forward).
 _SWIGLU_ROWS = 32
 
 
@@ -44,11 +46,9 @@ class Rope:
 
     def __init__(self, cos: paddle.Tensor, sin: paddle.Tensor, positions: np.ndarray) -> None:
         self._cpu = _on_cpu(cos)
-        half = cos.shape[-1] // 2
-        if self._cpu:
-            # cos = [c, c] and sin = [-s, s] per row: the halves are all it needs
-            self._cos_half: np.ndarray = np.from_dlpack(cos)[positions, :half][None]
-            self._sin_half: np.ndarray = np.from_dlpack(sin)[positions, half:][None]
+        if self._cpu:  # [1, rows, dim], broadcast over the heads by NumPy
+            self._cos_rows: np.ndarray = np.from_dlpack(cos)[positions][None]
+            self._sin_rows: np.ndarray = np.from_dlpack(sin)[positions][None]
         else:
             pos = paddle.to_tensor(positions)
             self._cos = paddle.gather(cos, pos).unsqueeze(0)
@@ -56,16 +56,18 @@ class Rope:
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         """`x` rotated; on a CPU in place (x's memory is overwritten and x returned)."""
+        half = x.shape[-1] // 2
         if not self._cpu:
-            half = x.shape[-1] // 2
             return x * self._cos + paddle.roll(x, half, axis=-1) * self._sin
         a: np.ndarray = np.from_dlpack(x)
-        half = a.shape[-1] // 2
-        x1, x2, c, s = a[..., :half], a[..., half:], self._cos_half, self._sin_half
-        # x1 * c + x2 * (-s) and x2 * c + x1 * s: the roll form's operations, bit for bit
-        x2s, x1s = np.multiply(x2, s), np.multiply(x1, s)
-        np.subtract(np.multiply(x1, c, out=x1), x2s, out=x1)
-        np.add(np.multiply(x2, c, out=x2), x1s, out=x2)
+        # The same float32 operations as on a GPU (bitwise), each pass over whole rows: NumPy
+        # runs a [heads, rows, dim / 2] half in inner loops of dim / 2 (4.9 against 3.6 ms
+        # per SmolLM2 layer at 2,240 rows).
+        rolled = np.empty_like(a)
+        np.copyto(rolled[..., :half], a[..., half:])
+        np.copyto(rolled[..., half:], a[..., :half])
+        np.multiply(rolled, self._sin_rows, out=rolled)
+        np.add(np.multiply(a, self._cos_rows, out=a), rolled, out=a)
         return x
 
 
