@@ -88,17 +88,25 @@ def swiglu(x: paddle.Tensor) -> paddle.Tensor:
     return out
 
 
-@functools.lru_cache(maxsize=256)
-def _upper(rows: int) -> np.ndarray:
-    """[rows, rows] float32: -inf above the diagonal, 0 elsewhere."""
-    return np.triu(np.full((rows, rows), -np.inf, dtype=np.float32), 1)
+class _Upper:
+    """[rows, rows] float32, -inf above the diagonal and 0 elsewhere: views of one triangle,
+    grown to the largest block seen (its top-left corner is the smaller blocks' triangle)."""
+
+    def __init__(self) -> None:
+        self._full = np.zeros((0, 0), dtype=np.float32)
+
+    def __call__(self, rows: int) -> np.ndarray:
+        if self._full.shape[0] < rows:
+            self._full = np.triu(np.full((rows, rows), -np.inf, dtype=np.float32), 1)
+        return self._full[:rows, :rows]
 
 
-@functools.lru_cache(maxsize=256)
-def _mask(rows: int, keys: int, dtype: paddle.dtype) -> paddle.Tensor:
-    mask = np.zeros((rows, keys), dtype=np.float32)
-    mask[:, keys - rows :] = _upper(rows)
-    return paddle.to_tensor(mask, dtype=dtype)
+_upper = _Upper()
+
+
+@functools.lru_cache(maxsize=8)
+def _triangle(rows: int, dtype: paddle.dtype) -> paddle.Tensor:
+    return paddle.to_tensor(_upper(rows), dtype=dtype)
 
 
 def causal_softmax_(scores: paddle.Tensor, heads: int, rows: int) -> paddle.Tensor:
@@ -109,7 +117,8 @@ def causal_softmax_(scores: paddle.Tensor, heads: int, rows: int) -> paddle.Tens
     if not _on_cpu(scores):
         shaped = scores.reshape([heads, rows, keys])
         if rows > 1:
-            shaped = shaped + _mask(rows, keys, scores.dtype)
+            before = paddle.zeros([rows, keys - rows], dtype=scores.dtype)
+            shaped = shaped + paddle.concat([before, _triangle(rows, scores.dtype)], axis=1)
         return F.softmax(shaped, axis=-1).reshape(scores.shape)
     s = np.from_dlpack(scores).reshape(heads, rows, keys)
     if rows > 1:
