@@ -4,13 +4,15 @@ model (read from tests/data/hf_configs), for whoever next works on the CPU worke
 1. **Row invariance by row count.** For x @ w.T with x the last M rows of a 1,050-row matrix:
    is each row's result bitwise the one it gets in the 1,050-row product? MKL takes another
    kernel below some M, and a row's rounding then moves (a prefix-cache hit's suffix, a
-   short chunk, a small batch). Printed: the row counts that differ, per thread count.
+   short chunk, a small batch). Printed: the row counts that differ, per thread count, for
+   each product path of `--gemm` (MKL: Paddle's matmul; oneDNN: `paddle_gemm`'s dnnl_sgemm).
 2. **Packed weights** (`cblas_sgemm_pack` once, `cblas_sgemm_compute` per product, both in
    the wheel's libmklml_intel.so): GFLOP/s against plain `cblas_sgemm` on the same tensors
    (alternating, the median of `--repeats`, CPU time of this thread), whether the results are
    bitwise those of plain sgemm, and the packed buffer's size against the weight's.
 
     python benchmarks/bench_mkl_rows.py [--model smollm2_gguf] [--threads 1,2,4] [--repeats 7]
+        [--gemm mkl,onednn] [--rows-only]
 """
 
 from __future__ import annotations
@@ -43,22 +45,31 @@ def products(model: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def row_invariance(model: str, threads: int) -> None:
+def row_invariance(model: str, threads: int, gemm: str) -> None:
+    import os
+
     import paddle
+
+    os.environ["AIOPREFILL_CPU_GEMM"] = gemm
+    from aioprefill.workers.paddle_gemm import Products
 
     paddle.set_device("cpu")
     paddle.base.core.set_num_threads(threads)
+    mm = Products("cpu", threads, None)
+    assert mm.uses_onednn == (gemm == "onednn")
     rng = np.random.default_rng(0)
     for name, (n, k) in products(model).items():
         w = paddle.to_tensor((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
         x = rng.standard_normal((1050, k)).astype(np.float32)
-        whole = np.from_dlpack(paddle.matmul(paddle.to_tensor(x), w, transpose_y=True)).copy()
+        whole = np.from_dlpack(mm.product(paddle.to_tensor(x), w)).copy()
         moved = []
         for m in ROWS:
-            part = np.from_dlpack(paddle.matmul(paddle.to_tensor(x[-m:]), w, transpose_y=True))
+            part = np.from_dlpack(mm.product(paddle.to_tensor(x[-m:]), w))
             if not np.array_equal(part, whole[-m:]):
                 moved.append(m)
-        print(f"  {threads} thread(s) {name:8s} rows whose results move: {moved or 'none'}")
+        print(
+            f"  {gemm:6s} {threads} thread(s) {name:8s} rows whose results move: {moved or 'none'}"
+        )
 
 
 def packed(model: str, repeats: int) -> None:
@@ -114,6 +125,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2_gguf")
     parser.add_argument("--threads", default="1,2,4")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--gemm", default="mkl", help="part 1's product paths: mkl,onednn")
+    parser.add_argument("--rows-only", action="store_true", help="part 1 only")
     parser.add_argument("--part", choices=("rows", "packed"), help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -122,16 +135,19 @@ def main() -> None:
     configure_math_libraries()  # as a worker: MKL's AVX2 kernels on AMD, freed memory kept
     keep_freed_memory()
     if args.part == "rows":
-        return row_invariance(args.model, args.n)
+        return row_invariance(args.model, args.n, args.gemm)
     if args.part == "packed":
         return packed(args.model, args.repeats)
     from aioprefill.workers.paddle_env import library_versions
 
     print(f"{args.model}: {library_versions()}")
     print(f"1. row counts (of {ROWS}) whose rows differ from the same rows in a 1,050-row product")
-    for n in args.threads.split(","):  # a process per thread count: MKL keeps its first setting
-        cmd = [sys.executable, __file__, "--model", args.model, "--part", "rows", "--n", n]
-        subprocess.run(cmd, check=True)
+    for gemm in args.gemm.split(","):
+        for n in args.threads.split(","):  # a process per thread count: MKL keeps its first
+            cmd = [sys.executable, __file__, "--model", args.model, "--part", "rows", "--n", n]
+            subprocess.run([*cmd, "--gemm", gemm], check=True)
+    if args.rows_only:
+        return
     print("2. packed weights against plain sgemm")
     cmd = [sys.executable, __file__, "--model", args.model, "--part", "packed"]
     subprocess.run([*cmd, "--repeats", str(args.repeats)], check=True)

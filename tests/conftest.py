@@ -22,6 +22,21 @@ def pytest_asyncio_loop_factories(config, item):
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
+# Collected first (and kept first: pyproject's `--no-loadscope-reorder`), so that with two test
+# processes the longest module starts at once and the other process runs the rest beside it,
+# instead of both waiting on it at the end: lm-eval creates the reference venv (~75 s of its
+# ~130, tests/refvenv.py), which the PD test, later in the order, then finds made.
+FIRST = ("tests/serve/test_lm_eval.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0]
+        return FIRST.index(path) if path in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: the order within each rank stays pytest's
+
+
 def own_segments() -> set[str]:
     """Names of /dev/shm entries that this test process created (owner pid in the name)."""
     prefix = f"aioprefill-{os.getpid()}-"

@@ -3,8 +3,8 @@ copy of that state into a KV export segment.
 
 Each sequence attends on its own: one score matrix per sequence costs sum(len^2), where one
 block-diagonal mask over the batch would cost tokens^2. The shapes of a sequence's products
-depend only on that sequence (its length and cached prefix), so batch-mates cannot change its
-result; in deterministic mode (`tile`) they depend only on each row's absolute position.
+depend only on that sequence, so batch-mates cannot change its result; queries run in tiles of
+absolute positions, so neither can where a chunk starts (a chunked prompt, a cached prefix).
 """
 
 from __future__ import annotations
@@ -17,13 +17,6 @@ from aioprefill.workers.paddle_head import host
 from aioprefill.workers.paddle_ops import causal_softmax_
 
 __all__ = ["KVCache", "attend", "export_layer"]
-
-# Queries run in blocks of at most this many rows. A block scores only the keys it can see,
-# which skips about half the work of a long causal prompt, and only its diagonal square needs
-# the causal mask: keys before the block are visible to all of its rows.
-_QUERY_BLOCK = 128
-# ... and fewer when a block's scores (heads x rows x keys) would pass this many elements.
-_SCORE_BUDGET = 1 << 25
 
 
 class KVCache:
@@ -50,18 +43,17 @@ def attend(
     layer: int,
     *,
     keep: bool,
-    tile: int | None = None,
+    tile: int,
+    pad: bool,
 ) -> paddle.Tensor:
     """Attention output `[heads, end - begin, head_dim]` for rows `begin:end` of the batch.
 
     `q` is `[kv_heads, group, rows, head_dim]` (pre-scaled by head_dim^-0.5; query head
     `g*group + i` reads KV head `g`, as HF's repeat_kv), `k` and `v` are `[kv_heads, rows,
     head_dim]`. The sequence's earlier chunks come from `cache`; with `keep` its keys and values
-    so far are stored back for the next chunk. `tile` (deterministic mode): query tiles at
-    absolute positions (`_aligned`), so a row's products never depend on where its chunk starts.
+    so far are stored back for the next chunk. Queries run in tiles of `tile` absolute positions
+    (`_aligned`; `pad`: zero-padded to whole tiles), so where a chunk starts changes no row.
     """
-    kv_heads, group, _, dim = q.shape
-    heads = kv_heads * group
     length = end - begin
     keys, values = k[:, begin:end], v[:, begin:end]
     past_keys, past_values = cache.keys[layer], cache.values[layer]
@@ -72,64 +64,73 @@ def attend(
         # Copies, so the batch-wide tensors these are sliced from can be freed.
         cache.keys[layer] = keys.clone() if past_keys is None else keys
         cache.values[layer] = values.clone() if past_values is None else values
-    past = keys.shape[1] - length
-    if tile is not None:
-        return _aligned(q[:, :, begin:end], keys, values, past, tile)
-    block = max(1, min(_QUERY_BLOCK, _SCORE_BUDGET // (heads * keys.shape[1])))
-    outs = []
-    for lo in range(0, length, block):
-        rows = min(block, length - lo)
-        seen = past + lo  # keys every row of this block sees
-        qb = q[:, :, begin + lo : begin + lo + rows].reshape([kv_heads, group * rows, dim])
-        outs.append(_tile(qb, keys[:, : seen + rows], values[:, : seen + rows], heads, rows))
-    return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)
-
-
-def _tile(
-    q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, heads: int, rows: int
-) -> paddle.Tensor:
-    """One query block: `q` [kv_heads, group * rows, dim] against `keys`/`values` [kv_heads,
-    n, dim], whose last `rows` positions are the block's own (the causal mask's square), to
-    [heads, rows, dim]. One product scores every key (the mask and the softmax then run in place
-    on its output: `paddle_ops`), one more weighs the values."""
-    scores = paddle.matmul(q, keys, transpose_y=True)
-    probs = causal_softmax_(scores, heads, rows)
-    return paddle.matmul(probs, values).reshape([heads, rows, keys.shape[-1]])
+    return _aligned(q[:, :, begin:end], keys, values, keys.shape[1] - length, tile, pad)
 
 
 def _aligned(
-    q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, past: int, tile: int
+    q: paddle.Tensor,
+    keys: paddle.Tensor,
+    values: paddle.Tensor,
+    past: int,
+    tile: int,
+    pad: bool,
 ) -> paddle.Tensor:
-    """Deterministic attention for queries at positions `past ...` (`q` [kv_heads, group,
-    rows, dim]) over `keys`/`values` [kv_heads, past + rows, dim]: the queries of positions
-    [t*tile, (t+1)*tile) run as one tile, zero-padded to `tile` rows where the chunk covers part
-    of it, against keys [0, (t+1)*tile) (zero-padded past the last), with the causal mask on the
-    diagonal square. Every product's shape and a row's place in it depend only on the row's
-    absolute position, so a prompt computed whole, in chunks or after a cached prefix gives the
-    same bits (masked keys get probability exactly 0)."""
+    """Attention for queries at positions `past ...` (`q` [kv_heads, group, rows, dim]) over
+    `keys`/`values` [kv_heads, past + rows, dim]: the queries of positions [t*tile, (t+1)*tile)
+    run as one tile against keys [0, (t+1)*tile) (zero-padded past the last), with the causal
+    mask on the diagonal square. A tile scores only the keys it can see (about half the work
+    of a long causal prompt). With `pad` (deterministic mode) a tile the chunk covers part of is
+    zero-padded to `tile` rows: every product's shape and a row's place in it depend only on
+    the row's absolute position, so a prompt computed whole, in chunks or after a cached prefix
+    gives the same bits (masked keys get probability exactly 0). Without it a tile has the
+    chunk's rows only, and a row's scores, softmax and weighted sum still run over the same
+    keys whatever its chunk (bitwise on SmolLM2 with MKL: benchmarks/results/hit_exact.txt)."""
     kv_heads, group, rows, dim = q.shape
     heads, total = kv_heads * group, past + rows
     first, last = past // tile, (total - 1) // tile
     extra = (last + 1) * tile - total
     if extra:
-        pad = paddle.zeros([kv_heads, extra, dim], dtype=keys.dtype)
-        keys, values = paddle.concat([keys, pad], axis=1), paddle.concat([values, pad], axis=1)
+        zeros = paddle.zeros([kv_heads, extra, dim], dtype=keys.dtype)
+        keys = paddle.concat([keys, zeros], axis=1)
+        values = paddle.concat([values, zeros], axis=1)
     outs = []
     for t in range(first, last + 1):
         lo, hi = t * tile, (t + 1) * tile
         qa, qb = max(lo, past), min(hi, total)
         qt = q[:, :, qa - past : qb - past]
-        if qb - qa < tile:
+        # the tile's query rows [a, b) of [lo, hi): all of them, or the chunk's only
+        a, b = (0, tile) if pad else (qa - lo, qb - lo)
+        if pad and qb - qa < tile:
             parts = [qt]
             if qa > lo:
                 parts.insert(0, paddle.zeros([kv_heads, group, qa - lo, dim], dtype=q.dtype))
             if qb < hi:
                 parts.append(paddle.zeros([kv_heads, group, hi - qb, dim], dtype=q.dtype))
             qt = paddle.concat(parts, axis=2)
-        qt = qt.reshape([kv_heads, group * tile, dim])
-        out = _tile(qt, keys[:, :hi], values[:, :hi], heads, tile)
-        outs.append(out[:, qa - lo : qb - lo] if qb - qa < tile else out)
+        n = b - a
+        qt = qt.reshape([kv_heads, group * n, dim])
+        out = _tile(qt, keys[:, :hi], values[:, :hi], heads, n, tile, a)
+        outs.append(out[:, qa - lo : qb - lo] if pad and qb - qa < tile else out)
     return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)
+
+
+def _tile(
+    q: paddle.Tensor,
+    keys: paddle.Tensor,
+    values: paddle.Tensor,
+    heads: int,
+    rows: int,
+    diag: int,
+    first: int,
+) -> paddle.Tensor:
+    """One query tile: `q` [kv_heads, group * rows, dim] against `keys`/`values` [kv_heads, n,
+    dim], whose last `diag` positions are the tile's (query row i sits at position `first + i`
+    among them: the causal mask's rows), to [heads, rows, dim]. One product scores every key (the
+    mask and the softmax then run in place on its output: `paddle_ops`), one more weighs the
+    values."""
+    scores = paddle.matmul(q, keys, transpose_y=True)
+    probs = causal_softmax_(scores, heads, rows, diag, first)
+    return paddle.matmul(probs, values).reshape([heads, rows, keys.shape[-1]])
 
 
 def export_layer(

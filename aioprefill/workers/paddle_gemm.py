@@ -81,6 +81,10 @@ class Products:
         self._tile = tile_rows
 
     @property
+    def tile_rows(self) -> int | None:
+        return self._tile
+
+    @property
     def uses_onednn(self) -> bool:
         return self._sgemm is not None
 

@@ -14,8 +14,7 @@ float32 CPU sum over 32000 logits lost up to ~5e-5; NumPy's float64-accumulated 
 from an exact one *and* faster (16 rows: ~0.5 ms vs ~1.2 ms; benchmarks/bench_outputs.py), so
 the CPU reads the logits zero-copy through DLPack and finishes in NumPy. A GPU keeps the logits
 on the device, sums in float64 there and moves only per-row results. Batch invariance: every
-reduction is per row; with `deterministic=True` the head runs on fixed tiles of `tile_rows`
-rows, so no shape depends on the batch.
+reduction is per row; with `tile_rows` (deterministic) the head runs on fixed tiles.
 """
 
 from __future__ import annotations
@@ -82,20 +81,20 @@ class OutputHead:
         *,
         rms_norm: RmsNorm,
         tile_rows: int | None,
+        min_rows: int = 1,
         shard: Shard | None = None,
         product: Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor] | None = None,
     ) -> None:
         """`rms_norm`: the final norm's kernel (`paddle_norm.rms_norm_for`). `shard`: under
         tensor parallelism `lm_head` is this rank's vocabulary slice, and each tile's per-row
         results are joined across the ranks (`Shard.head_rows`). `product(x, w)` is x @ w.T
-        (`paddle_gemm.Products.product`; default Paddle's matmul)."""
+        (`paddle_gemm.Products.product`; default Paddle's matmul). Prompt log-probabilities run
+        on tiles of at least `min_rows` rows (zero rows added; `paddle_rows`)."""
         self._lm_head = lm_head
         self._shard = shard if shard is not None and shard.tp_size > 1 else None
-        self._norm = norm
-        self._eps = eps
-        self._rms_norm = rms_norm
+        self._norm, self._eps, self._rms_norm = norm, eps, rms_norm
         self._product = product or _matmul_t
-        self._tile = tile_rows  # deterministic: fixed tiles of this many rows
+        self._tile, self._min_rows = tile_rows, min_rows  # tile_rows: fixed tiles (deterministic)
         self._carry: dict[int, paddle.Tensor] = {}  # rid -> last row's hidden state [1, hidden]
         self._sums: dict[int, np.ndarray] = {}  # rid -> float64 sum of final-norm rows so far
 
@@ -282,7 +281,8 @@ class OutputHead:
         final-norm rows (float32 [rows, hidden]; None with `targets`, which never need them)
         and the head's per-row results."""
         rows = h.shape[0]
-        tile = self._tile or min(rows, _MAX_ROWS)
+        floor = self._min_rows if targets is not None else 1  # prompt logprobs; last rows: as many
+        tile = self._tile or max(min(rows, _MAX_ROWS), floor)
         padded = -(-rows // tile) * tile
         if padded > rows:  # fixed tiles: zero rows, ignored
             h = paddle.concat([h, paddle.zeros([padded - rows, h.shape[1]], dtype=h.dtype)])

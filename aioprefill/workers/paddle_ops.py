@@ -89,41 +89,43 @@ def swiglu(x: paddle.Tensor) -> paddle.Tensor:
 
 
 class _Upper:
-    """[rows, rows] float32, -inf above the diagonal and 0 elsewhere: views of one triangle,
-    grown to the largest block seen (its top-left corner is the smaller blocks' triangle)."""
+    """Rows of a [diag, diag] float32 triangle, -inf above the diagonal and 0 elsewhere: views
+    of one triangle, grown to the largest tile seen (its top-left corner is a smaller tile's)."""
 
     def __init__(self) -> None:
         self._full = np.zeros((0, 0), dtype=np.float32)
 
-    def __call__(self, rows: int) -> np.ndarray:
-        if self._full.shape[0] < rows:
-            self._full = np.triu(np.full((rows, rows), -np.inf, dtype=np.float32), 1)
-        return self._full[:rows, :rows]
+    def __call__(self, first: int, rows: int, diag: int) -> np.ndarray:
+        if self._full.shape[0] < diag:
+            self._full = np.triu(np.full((diag, diag), -np.inf, dtype=np.float32), 1)
+        return self._full[first : first + rows, :diag]
 
 
 _upper = _Upper()
 
 
 @functools.lru_cache(maxsize=8)
-def _triangle(rows: int, dtype: paddle.dtype) -> paddle.Tensor:
-    return paddle.to_tensor(_upper(rows), dtype=dtype)
+def _triangle(diag: int, dtype: paddle.dtype) -> paddle.Tensor:
+    return paddle.to_tensor(_upper(0, diag, diag), dtype=dtype)
 
 
-def causal_softmax_(scores: paddle.Tensor, heads: int, rows: int) -> paddle.Tensor:
+def causal_softmax_(
+    scores: paddle.Tensor, heads: int, rows: int, diag: int, first: int = 0
+) -> paddle.Tensor:
     """Softmax over the keys of `scores` (contiguous, `heads * rows` rows of `keys` each) whose
-    last `rows` keys are the query rows' own positions, masked causally (row i sees the first
-    keys - rows + i + 1). On a CPU in place: `scores` itself is returned."""
+    last `diag` keys are the query tile's positions, query row i at position `first + i` of
+    them: masked causally (row i sees the first keys - diag + first + i + 1). On a CPU in place:
+    `scores` itself is returned."""
     keys = scores.shape[-1]
     if not _on_cpu(scores):
         shaped = scores.reshape([heads, rows, keys])
-        if rows > 1:
-            before = paddle.zeros([rows, keys - rows], dtype=scores.dtype)
-            shaped = shaped + paddle.concat([before, _triangle(rows, scores.dtype)], axis=1)
+        before = paddle.zeros([rows, keys - diag], dtype=scores.dtype)
+        tri = _triangle(diag, scores.dtype)[first : first + rows]
+        shaped = shaped + paddle.concat([before, tri], axis=1)
         return F.softmax(shaped, axis=-1).reshape(scores.shape)
     s = np.from_dlpack(scores).reshape(heads, rows, keys)
-    if rows > 1:
-        own = s[:, :, keys - rows :]
-        np.add(own, _upper(rows), out=own)
+    own = s[:, :, keys - diag :]
+    np.add(own, _upper(first, rows, diag), out=own)
     if s.dtype == np.float32 and onednn_softmax_available():
         softmax_rows_(s)
         return scores

@@ -15,14 +15,15 @@ products (and the LM head's reductions): BLAS picks kernels by shape, and MKL co
 with other kernels, whose sums round differently, when the product has few rows, when the row
 sits in a trailing partial block, or (for some row counts) by its position. By default that is
 allowed: a request's log-probability moves by ~1e-7 between batch compositions (the tests hold
-it to 1e-5). `deterministic=True` makes results bitwise identical by never letting a shape
-depend on the batch: the linear layers multiply fixed tiles of `_TILE_ROWS` rows and the LM head
-runs on fixed tiles of `_HEAD_TILE_ROWS` rows, zero-padded, and attention on query tiles of
-`_ATTN_TILE` absolute positions, so a chunk's start (a chunked prompt, a cached prefix) changes no
-bit either. Tile sizes matter: MKL treated every
-row position of a 64- or 16-row product alike, but not of a 32-row one; the tests check the
-result bitwise over random batch compositions. It costs ~1.1x on full batches and up to 2.3x on
-a lone short request (benchmarks/bench_paddle_model.py).
+it to 1e-5), but a prefix-cache hit or a chunk cut changes no bit: every product has at least
+`_floor` rows (zero-padded), from which a row's result does not move with the row count
+(checked when the runner starts, else fixed tiles: `paddle_rows`), and attention runs on query
+tiles of `_ATTN_TILE` absolute positions. `deterministic=True` makes results bitwise identical
+by never letting a shape depend on the batch: the linear layers multiply fixed tiles of
+`_TILE_ROWS` rows and the LM head fixed tiles of `_HEAD_TILE_ROWS` rows, zero-padded, and
+attention tiles are zero-padded too (MKL treated every row position of a 64- or 16-row product
+alike, not of a 32-row one; tests check it bitwise): ~1.1x the cost on full batches, up to 2.3x
+on a lone short request (benchmarks/bench_paddle_model.py).
 
 This module is imported only in worker processes (a forkserver may preload it): it imports
 paddle, and first sets MKL's CPU dispatch on AMD processors; a CPU runner also changes how
@@ -32,6 +33,7 @@ glibc malloc keeps freed memory (see `paddle_env`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import warnings
 
@@ -64,6 +66,7 @@ from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle_norm import rms_norm_for  # noqa: E402
 from aioprefill.workers.paddle_ops import Rope, swiglu  # noqa: E402
 from aioprefill.workers.paddle_prefix import PrefixForward, keep_tail  # noqa: E402
+from aioprefill.workers.paddle_rows import checked_products  # noqa: E402
 from aioprefill.workers.paddle_shard import Shard  # noqa: E402
 from aioprefill.workers.paddle_weights import Layer, load_to_device, rope_tables  # noqa: E402
 from aioprefill.workers.prefix_blocks import BatchPlan, BlockStore  # noqa: E402
@@ -137,17 +140,23 @@ class PaddleRunner:
         self._embed, self._layers = weights.embed, weights.layers
         self._cache: dict[int, KVCache] = {}
         self._deterministic = spec.deterministic
-        # the matrix products: oneDNN on a CPU (paddle_gemm), fixed row tiles if deterministic
-        self._mm = Products(
-            self.device, spec.num_threads, _TILE_ROWS if self._deterministic else None
+        # products: oneDNN on a CPU (paddle_gemm); fixed row tiles, or >= _floor rows (paddle_rows)
+        self._mm, self._floor = (
+            (Products(self.device, spec.num_threads, _TILE_ROWS), _TILE_ROWS)
+            if self._deterministic
+            else checked_products(
+                self.device, spec.num_threads, self._layers[0], weights.lm_head, _TILE_ROWS
+            )
         )
-        tile = _HEAD_TILE_ROWS if spec.deterministic else None
+        self._tiled = self._mm.tile_rows is not None
+        tile = _HEAD_TILE_ROWS if self._tiled else None
         self._outputs = OutputHead(
             weights.lm_head,
             weights.norm,
             spec.rms_norm_eps,
             rms_norm=self._rms_norm,
             tile_rows=tile,
+            min_rows=self._floor,
             shard=self._shard,
             product=self._mm.product,
         )
@@ -247,7 +256,7 @@ class PaddleRunner:
         return self._mm.project(x, w)
 
     def _padded(self, rows: int, tile: int) -> int:
-        return -(-rows // tile) * tile if self._deterministic else rows
+        return -(-rows // tile) * tile if self._tiled else max(rows, self._floor)
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         spec = self.spec
@@ -276,7 +285,7 @@ class PaddleRunner:
         prefix = (
             None if plan is None or self._store is None else PrefixForward(self._store, plan, batch)
         )
-        tile = _ATTN_TILE if self._deterministic else None
+        att = functools.partial(attend, tile=_ATTN_TILE, pad=self._deterministic)  # whole tiles
         bounds = list(itertools.pairwise(offsets.tolist()))
         exports = self._exports = open_writers(batch, kv_layout(spec), self._kv_share)
         eps, rms_norm = spec.rms_norm_eps, self._rms_norm
@@ -305,7 +314,7 @@ class PaddleRunner:
                     prefix.at_layer(index, i, cache, k, v)
                 if i in exports:  # before attend() extends the cache
                     export_layer(exports[i], index, cache, k, v, a, b)
-                outs.append(attend(q, k, v, a, b, cache, index, keep=not last, tile=tile))
+                outs.append(att(q, k, v, a, b, cache, index, keep=not last))
             if rows > total:
                 outs.append(paddle.zeros([heads, rows - total, dim], dtype=x.dtype))
             attn = paddle.concat(outs, axis=1).transpose([1, 0, 2]).reshape([rows, heads * dim])

@@ -9,6 +9,7 @@ import pytest
 
 from aioprefill import EngineConfig, InvalidConfig, KVStoreOptions
 from tests.reliability.util import sim
+from tests.transfer.util import needs_mooncake
 
 
 @pytest.mark.parametrize(
@@ -17,7 +18,11 @@ from tests.reliability.util import sim
         ({"kv_store": "redis"}, "EngineConfig.kv_store"),
         ({"kv_store": True}, "EngineConfig.kv_store"),
         ({"kv_store_options": {"master": "x:1"}}, "EngineConfig.kv_store_options"),
-        ({"kv_store": "mooncake", "prefix_cache_bytes": 0}, "prefix_cache_bytes > 0"),
+        pytest.param(
+            {"kv_store": "mooncake", "prefix_cache_bytes": 0},
+            "prefix_cache_bytes > 0",
+            marks=needs_mooncake,  # checked after the store client imports
+        ),
     ],
 )
 def test_engine_config_refuses_bad_store_fields(fields, match):
@@ -61,6 +66,7 @@ def test_a_refused_secret_is_not_echoed():
     assert "hunter2" not in str(info.value)
 
 
+@needs_mooncake
 def test_defaults_are_off_and_loopback():
     options = KVStoreOptions()
     assert (options.master, options.host, options.protocol) == (

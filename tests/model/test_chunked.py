@@ -68,9 +68,9 @@ def test_chunks_ride_along_with_other_requests(fresh: PaddleRunner) -> None:
 
 
 def test_chunked_in_query_blocks(monkeypatch) -> None:
-    from aioprefill.workers import paddle_attention
+    from aioprefill.workers import paddle_runner
 
-    monkeypatch.setattr(paddle_attention, "_QUERY_BLOCK", 9)
+    monkeypatch.setattr(paddle_runner, "_ATTN_TILE", 9)
     runner = PaddleRunner(SMALL)
     prompt = prompts(np.random.default_rng(2), [120], SMALL.vocab_size)[0]
     whole = runner.forward(make_batch([prompt]))

@@ -68,21 +68,25 @@ def test_swiglu_matches_float64_and_each_row_alone(rows):
         np.testing.assert_array_equal(alone[0], out[i])
 
 
-@pytest.mark.parametrize(("kv_heads", "group", "rows", "keys"), [(3, 3, 5, 9), (1, 2, 1, 4)])
-def test_causal_softmax_matches_float64(kv_heads, group, rows, keys):
-    rng = np.random.default_rng(keys)
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "rows", "keys", "diag", "first"),
+    [(3, 3, 5, 9, 5, 0), (1, 2, 1, 4, 1, 0), (2, 2, 3, 12, 8, 2), (1, 3, 2, 8, 8, 6)],
+)
+def test_causal_softmax_matches_float64(kv_heads, group, rows, keys, diag, first):
+    rng = np.random.default_rng(keys + first)
     heads = kv_heads * group
     scores = (rng.standard_normal((kv_heads, group * rows, keys)) * 6).astype(np.float32)
     t = paddle.to_tensor(scores)
-    out = causal_softmax_(t, heads, rows).numpy().reshape(heads, rows, keys)
+    out = causal_softmax_(t, heads, rows, diag, first).numpy().reshape(heads, rows, keys)
     s = scores.reshape(heads, rows, keys).astype(np.float64)
-    past = keys - rows
-    visible = np.arange(keys)[None, :] <= past + np.arange(rows)[:, None]
+    sees = keys - diag + first + np.arange(rows)  # the last key each query row sees
+    visible = np.arange(keys)[None, :] <= sees[:, None]
     s = np.where(visible, s, -np.inf)
     expected = np.exp(s - s.max(-1, keepdims=True))
     expected /= expected.sum(-1, keepdims=True)
     np.testing.assert_allclose(out, expected, rtol=3e-6, atol=1e-7)
     assert (out[:, ~visible] == 0).all()
+    np.testing.assert_array_equal(t.numpy().reshape(heads, rows, keys), out)  # in place
 
 
 def test_softmax_row_bits_do_not_depend_on_the_other_rows():

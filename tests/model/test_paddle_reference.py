@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aioprefill.config import PaddleModel
-from aioprefill.workers import paddle_attention
+from aioprefill.workers import paddle_runner
 from aioprefill.workers.paddle_runner import PaddleRunner
 from aioprefill.workers.weights import random_weights
 from tests.model.batches import SMALL, make_batch, prompts, runner, small
@@ -49,8 +49,8 @@ def test_default_tiny_model_matches_reference() -> None:
 
 
 def test_long_prompt_in_query_blocks_matches_reference(monkeypatch) -> None:
-    # Force attention into blocks of a few query rows, each reading only the keys it can see.
-    monkeypatch.setattr(paddle_attention, "_QUERY_BLOCK", 7)
+    # Force attention into tiles of a few query rows, each reading only the keys it can see.
+    monkeypatch.setattr(paddle_runner, "_ATTN_TILE", 7)
     spec = small(seed=7)
     check_against_reference(spec, [300, 5], seed=2)
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from tests.serve.util import ROOT
+from tests.transfer.util import needs_mooncake
 
 
 def run(*flags: str) -> subprocess.CompletedProcess[str]:
@@ -72,6 +73,7 @@ def test_a_cpu_server_spreads_the_cores_and_says_so(caplog):
     assert done.returncode != 0 and "needs --api-key" in done.stderr
 
 
+@needs_mooncake
 def test_the_kv_store_flags_make_the_store_tier():
     from aioprefill.serve.__main__ import build, parse_args
 

@@ -5,22 +5,16 @@ KV transfer (`aioprefill.transfer`, Mooncake installed)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import httpx
 import numpy as np
 import pytest
 
-from aioprefill import EngineConfig
 from tests.serve.util import HF, serve
+from tests.transfer.util import needs_mooncake
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        "kv_transfer" not in EngineConfig.__dataclass_fields__
-        or importlib.util.find_spec("mooncake") is None,
-        reason="no KV transfer in this aioprefill, or Mooncake not installed",
-    ),
+    needs_mooncake,
 ]
 
 

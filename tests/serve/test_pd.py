@@ -8,7 +8,6 @@ the prefill node's KV and generated from it, and the tokens equal transformers' 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests import refvenv
 from tests.hf.smollm2 import gguf_path
 from tests.serve.util import ROOT, free_port, serve
+from tests.transfer.util import needs_mooncake
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
 NEW_TOKENS = 12
@@ -32,10 +32,8 @@ NEW_TOKENS = 12
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),  # the reference venv's first creation
-    pytest.mark.skipif(
-        importlib.util.find_spec("mooncake") is None or not ROUTER.exists(),
-        reason="needs Mooncake and vllm-router (the test extra)",
-    ),
+    needs_mooncake,
+    pytest.mark.skipif(not ROUTER.exists(), reason="needs vllm-router (the test extra)"),
 ]
 
 

@@ -4,6 +4,7 @@ KV transfer on, registrations and segments to count, waiting on a condition."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,17 +19,29 @@ from tests.reliability.util import sim
 ROOT = Path(__file__).parents[2]
 
 
-def need_mooncake() -> None:
-    """Skip the calling module when Mooncake cannot be imported (`python3 dev.py test`
-    installs it and Debian's libibverbs1, so CI runs these)."""
+@functools.cache
+def mooncake_missing() -> str | None:
+    """Why Mooncake cannot be imported here, or None when it can (`python3 dev.py test`
+    installs it and, as root, Debian's libibverbs1, so CI runs what needs it)."""
     try:
-        import mooncake.engine  # noqa: F401
+        import mooncake.engine
+        import mooncake.store  # noqa: F401
     except (ImportError, OSError) as exc:
-        pytest.skip(
-            f"Mooncake's transfer engine is not importable ({exc}): pip install "
-            "'aioprefill[transfer]' and apt-get install libibverbs1",
-            allow_module_level=True,
+        return (
+            f"Mooncake is not importable ({exc}): pip install 'aioprefill[transfer]' and "
+            "apt-get install libibverbs1"
         )
+    return None
+
+
+# for a test (or a parametrization) that needs Mooncake: skipped, saying why, where it is missing
+needs_mooncake = pytest.mark.skipif(mooncake_missing() is not None, reason=str(mooncake_missing()))
+
+
+def need_mooncake() -> None:
+    """Skip the calling module when Mooncake cannot be imported."""
+    if (why := mooncake_missing()) is not None:
+        pytest.skip(why, allow_module_level=True)
 
 
 def transfer_config(ttl: float | None = 60.0, **kw: object) -> EngineConfig:
