@@ -60,7 +60,7 @@ def main() -> None:
     timed(runner, "_linear", "linear (o, gate_up, down)")
     timed(runner, "_project", "q/k/v projection")
     timed(paddle_runner, "attend", "attention")
-    timed(runner, "_head", "head")
+    timed(runner, "_outputs", "head")
     batch = make_batch([length] * n, np.random.default_rng(0), spec.vocab_size)
     if args.scores:
         batch = dataclasses.replace(

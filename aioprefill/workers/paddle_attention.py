@@ -9,14 +9,12 @@ absolute positions, so neither can where a chunk starts (a chunked prompt, a cac
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 from aioprefill.workers.kv_writer import KVSegmentWriter
 from aioprefill.workers.paddle_head import host
+from aioprefill.workers.paddle_ops import causal_softmax_
 
 __all__ = ["KVCache", "attend", "export_layer"]
 
@@ -33,14 +31,6 @@ class KVCache:
         self.values: list[paddle.Tensor | None] = [None] * num_layers
         self.length = 0
         self.tail: tuple[np.ndarray, np.ndarray] | None = None
-
-
-@functools.lru_cache(maxsize=512)
-def _triangle(heads: int, rows: int, dtype: paddle.dtype, place: str) -> paddle.Tensor:
-    """Additive causal mask [heads, rows, rows]: -inf above the diagonal. Copied out per head
-    because paddle's CPU kernels broadcast ~10x slower than they add equal shapes."""
-    upper = paddle.triu(paddle.full([rows, rows], float("-inf"), dtype=dtype), diagonal=1)
-    return paddle.concat([upper.unsqueeze(0)] * heads)
 
 
 def attend(
@@ -103,7 +93,6 @@ def _aligned(
         zeros = paddle.zeros([kv_heads, extra, dim], dtype=keys.dtype)
         keys = paddle.concat([keys, zeros], axis=1)
         values = paddle.concat([values, zeros], axis=1)
-    place = paddle.get_device()
     outs = []
     for t in range(first, last + 1):
         lo, hi = t * tile, (t + 1) * tile
@@ -120,16 +109,28 @@ def _aligned(
             qt = paddle.concat(parts, axis=2)
         n = b - a
         qt = qt.reshape([kv_heads, group * n, dim])
-        scores = paddle.matmul(qt, keys[:, lo:hi], transpose_y=True).reshape([heads, n, tile])
-        mask = _triangle(heads, tile, scores.dtype, place)
-        scores = scores + (mask if n == tile else mask[:, a:b])
-        if lo:
-            before = paddle.matmul(qt, keys[:, :lo], transpose_y=True)
-            scores = paddle.concat([before.reshape([heads, n, lo]), scores], axis=-1)
-        probs = F.softmax(scores, axis=-1).reshape([kv_heads, group * n, hi])
-        out = paddle.matmul(probs, values[:, :hi]).reshape([heads, n, dim])
+        out = _tile(qt, keys[:, :hi], values[:, :hi], heads, n, tile, a)
         outs.append(out[:, qa - lo : qb - lo] if pad and qb - qa < tile else out)
     return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)
+
+
+def _tile(
+    q: paddle.Tensor,
+    keys: paddle.Tensor,
+    values: paddle.Tensor,
+    heads: int,
+    rows: int,
+    diag: int,
+    first: int,
+) -> paddle.Tensor:
+    """One query tile: `q` [kv_heads, group * rows, dim] against `keys`/`values` [kv_heads, n,
+    dim], whose last `diag` positions are the tile's (query row i sits at position `first + i`
+    among them: the causal mask's rows), to [heads, rows, dim]. One product scores every key (the
+    mask and the softmax then run in place on its output: `paddle_ops`), one more weighs the
+    values."""
+    scores = paddle.matmul(q, keys, transpose_y=True)
+    probs = causal_softmax_(scores, heads, rows, diag, first)
+    return paddle.matmul(probs, values).reshape([heads, rows, keys.shape[-1]])
 
 
 def export_layer(

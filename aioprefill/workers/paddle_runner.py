@@ -64,6 +64,7 @@ from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  #
 from aioprefill.workers.paddle_gemm import Products  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle_norm import rms_norm_for  # noqa: E402
+from aioprefill.workers.paddle_ops import Rope, swiglu  # noqa: E402
 from aioprefill.workers.paddle_prefix import PrefixForward, keep_tail  # noqa: E402
 from aioprefill.workers.paddle_rows import checked_products  # noqa: E402
 from aioprefill.workers.paddle_shard import Shard  # noqa: E402
@@ -208,7 +209,7 @@ class PaddleRunner:
         """The dense SwiGLU MLP, or the layer's mixture of experts (partial sums under TP)."""
         if layer.moe is not None:
             return layer.moe.forward(h, self._shard.group if self._shard.ep_size > 1 else None)
-        return self._linear(F.swiglu(self._linear(h, layer.gate_up)), layer.down)
+        return self._linear(swiglu(self._linear(h, layer.gate_up)), layer.down)
 
     def _check(self, batch: ForwardBatch) -> None:
         if batch.size == 0:
@@ -268,12 +269,8 @@ class PaddleRunner:
         ids[:total] = batch.tokens
         x = F.embedding(paddle.to_tensor(ids), self._embed)
         starts = batch.start_pos.tolist()
-        # Paddle's CPU kernels are slow at broadcasting (~10x), so the RoPE tables are copied
-        # out to the full [heads + kv_heads, rows, dim] shape once per forward.
-        pos = paddle.to_tensor(positions)
+        rope = Rope(self._cos, self._sin, positions)  # this batch's rows of the tables
         qk_heads = heads + kv_heads
-        cos = paddle.concat([paddle.gather(self._cos, pos).unsqueeze(0)] * qk_heads)
-        sin = paddle.concat([paddle.gather(self._sin, pos).unsqueeze(0)] * qk_heads)
 
         request_ids = batch.request_ids.tolist()
         is_last = batch.is_last.tolist()
@@ -306,7 +303,7 @@ class PaddleRunner:
                         rms_norm(qk[heads:], layer.k_norm, eps),
                     ]
                 )
-            qk = qk * cos + paddle.roll(qk, dim // 2, axis=-1) * sin
+            qk = rope(qk)  # in place on a CPU
             q = qk[:heads].reshape([kv_heads, heads // kv_heads, rows, dim])
             k, v = qk[heads:], qkv[qk_heads:]
             outs = []
