@@ -73,8 +73,11 @@ class Products:
     """`linear` (x @ w.T), `project` (x times per-head weights) and `product` (x @ w.T, never
     tiled) for one worker: oneDNN on a float32 CPU, else Paddle's `matmul`."""
 
-    def __init__(self, device: str, threads: int, tile_rows: int | None) -> None:
-        onednn = device == "cpu" and cpu_gemm() == "onednn"
+    def __init__(
+        self, device: str, threads: int, tile_rows: int | None, gemm: str | None = None
+    ) -> None:
+        """`gemm`: a CPU's product library, `onednn` or `mkl`; None: `paddle_env.cpu_gemm()`."""
+        onednn = device == "cpu" and (gemm or cpu_gemm()) == "onednn"
         self._sgemm = _load_sgemm() if onednn else None
         if self._sgemm is not None:
             _set_openmp_threads(threads)

@@ -2,35 +2,39 @@
 checked once when the worker starts, and the `Products` its default mode runs on.
 
 The default mode (`deterministic=False`) makes a prefix-cache hit answer what the cache-off run
-answers by running every product on at least a floor of rows (zero-padded) and attention on
-tiles of absolute positions (`paddle_attention`): the row count then changes no row's bits,
-because BLAS libraries take one kernel family for all row counts above some size. That size is
-the library's, the CPU's and the thread count's: Intel MKL 2019 (Paddle's wheel) keeps a row
-bitwise from 56 rows on an AMD EPYC with 1 thread, from 16 on an Intel Xeon with 1 thread, but
-on that Xeon with 2 threads the MLP's down projection moves rows at 63-128 rows against a
-1,050-row product (benchmarks/results/mkl_rows.txt, hit_exact.txt). So the worker checks its
-own shapes with its own thread count: the last m rows of a 1,050-row product against an m-row
-product, m from 16 to 280 (the head: 16-64 rows against 128, the tiles its prompt
-log-probabilities run in), on random inputs (kernels are chosen by shape, not values), and pads
-to the smallest of 16, 32, 64 rows above every count that moved. A sample, not a proof: row
-counts between or beyond those tried are not. Where rows move at 64 or more, the worker keeps
-untiled products on at least 64 rows and logs a warning: hits there may differ from the
-cache-off answer by float32 rounding (up to 1.4e-4 on prompt top-k log-probabilities, Xeon, 2
-threads), and `deterministic=True`, or one thread per worker, is the exact choice. Fixed 64-row
-tiles would be exact but cost 1.6-1.8x the CPU time of a full batch at 2 threads (8 x 280:
-240-303 against 425-470 tok/CPU-s; 64-row tiles of the down projection alone: 52 against 21 ms
-per layer), too much for a default. Mixture-of-experts layers' expert products are neither
-checked nor padded.
+answers by running every product on at least a floor of rows (zero-padded) and attention on tiles
+of absolute positions (`paddle_attention`): the row count then changes no row's bits, because BLAS
+libraries take one kernel family for all row counts above some size. That size is the library's,
+the CPU's and the thread count's: Intel MKL 2019 (Paddle's wheel) keeps a row bitwise from 56 rows
+on an AMD EPYC with 1 thread, from 16 on an Intel Xeon with 1 thread, but on that Xeon with 2
+threads the MLP's down projection moves rows at 63-128 rows against a 1,050-row product
+(benchmarks/results/mkl_rows.txt, hit_exact.txt). So the worker checks its own shapes with its own
+thread count: the last m rows of a 1,050-row product against an m-row product, m from 16 to 280
+(the head: 16-64 rows against 128, the tiles its prompt log-probabilities run in), on random inputs
+(kernels are chosen by shape, not values), and pads to the smallest of 16, 32, 64 rows above every
+count that moved. A sample, not a proof: row counts between or beyond those tried are not. Where
+MKL's rows move at 64 or more and MKL is only the default (`AIOPREFILL_CPU_GEMM` unset), the worker
+checks oneDNN's products from the same wheel and runs them if their rows hold (the Xeon at 2
+threads: floor 16, at MKL's speed on full batches and 1.2x it on a lone short request). Where
+neither holds, the worker keeps untiled products on at least 64 rows and logs a warning: hits there
+may differ from the cache-off answer by float32 rounding (MKL at 2 threads on the Xeon with a floor
+of 64: up to 1.1e-4 on prompt top-k log-probabilities), and `deterministic=True`, or one thread per
+worker, is the exact choice. Fixed 64-row tiles would be exact but cost 1.6-1.8x the CPU time of a
+full batch at 2 threads (8 x 280: 240-303 against 425-470 tok/CPU-s; 64-row tiles of the down
+projection alone: 52 against 21 ms per layer), too much for a default. Mixture-of-experts layers'
+expert products are neither checked nor padded.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import numpy as np
 import paddle
 
+from aioprefill.workers.paddle_env import CPU_GEMM_ENV
 from aioprefill.workers.paddle_gemm import Products
 from aioprefill.workers.paddle_weights import Layer
 
@@ -90,6 +94,21 @@ def checked_products(
     floor, moved = row_floor(mm, layer, lm_head)
     if floor is not None:
         return mm, floor
+    if device == "cpu" and not os.environ.get(CPU_GEMM_ENV, "").strip() and not mm.uses_onednn:
+        # MKL by default, not by the user's choice: oneDNN's products from the same wheel may hold
+        # their rows where MKL's do not (an Intel Xeon, 2 threads: MKL's down projection moves
+        # at 64-128 rows, oneDNN's at 1 and 8), at MKL's speed there (bench_hit_exact.py cost)
+        onednn = Products(device, threads, None, gemm="onednn")
+        if onednn.uses_onednn:
+            floor, also = row_floor(onednn, layer, lm_head)
+            if floor is not None:
+                log.info(
+                    "%s, %d thread(s): MKL's product rows move with the row count at 64 rows "
+                    "or more (%s): the products run on oneDNN, whose rows hold from %d rows",
+                    device, threads, moved, floor,
+                )  # fmt: skip
+                return onednn, floor
+            moved |= {f"{name} (oneDNN)": counts for name, counts in also.items()}
     log.warning(
         "%s, %d thread(s): product rows move with the row count at 64 rows or more (%s): a "
         "prefix-cache hit may differ from the cache-off answer by float rounding "

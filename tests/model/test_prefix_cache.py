@@ -244,6 +244,24 @@ def test_chunks_equal_the_whole_prompt(mode: str) -> None:
         same(run(r, chunks), want, mode, f"cuts {cuts}")
 
 
+def test_default_mode_takes_onednn_where_only_mkls_rows_move(monkeypatch, caplog) -> None:
+    """Where MKL's rows move at 64 rows or more and oneDNN's hold (the check's verdicts set
+    here), the default mode multiplies on oneDNN with its floor, and a hit is the cache-off run."""
+    from aioprefill.workers import paddle_rows
+
+    monkeypatch.delenv("AIOPREFILL_CPU_GEMM", raising=False)
+    verdict = lambda mm, *a: (16, {}) if mm.uses_onednn else (None, {"down": [64]})  # noqa: E731
+    monkeypatch.setattr(paddle_rows, "row_floor", verdict)
+    with caplog.at_level(logging.INFO, logger="aioprefill.worker"):
+        r = PaddleRunner(runner("default").spec, prefix_cache_bytes=8 * 14978, block_tokens=B)
+    assert (r._mm.uses_onednn, r._mm.tile_rows, r._floor) == (True, None, 16)
+    assert "the products run on oneDNN" in caplog.text
+    p = prompt(70, seed=9)
+    want = whole(r, p)
+    same(run(r, [(p, 0)], ALL, [([], [0, 1, 2, 3], 0)]), want, "default", "writer")
+    same(run(r, [(p[3 * B :], 3 * B)], ALL, [([0, 1, 2], [], 0)]), want, "default", "hit")
+
+
 def test_default_mode_warns_and_pads_to_64_rows_where_rows_move(monkeypatch, caplog) -> None:
     """Where the start-up check finds a product whose rows move with the row count at 64 rows or
     more, the default mode keeps untiled products on at least 64 rows (fixed tiles would cost
