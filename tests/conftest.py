@@ -1,9 +1,5 @@
 """Shared fixtures: every async test runs on both the default asyncio loop and uvloop, in debug
-mode, and the session fails if any shared-memory segment this process created is left behind.
-
-A test whose subject is not the loop (a model's numbers, a server process, the store tier) runs
-on uvloop alone: `@pytest.mark.asyncio(loop_factories=["uvloop"])`, with a comment saying why.
-The engine's own tests (its wake-ups, cancellations, worker deaths) keep both loops."""
+mode, and the session fails if any shared-memory segment this process created is left behind."""
 
 from __future__ import annotations
 

@@ -35,9 +35,7 @@ async def run(model: PaddleModel, batch: list[list[int]], *, solo: bool = False,
         return await asyncio.gather(*(engine.prefill(p) for p in batch))
 
 
-# One loop (uvloop): the subject is the model's numbers, not the event loop (each loop
-# started the same Paddle workers again).
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 async def test_results_do_not_depend_on_batching_or_policy(deterministic):
     seed = random.randrange(1 << 20)
@@ -58,7 +56,7 @@ async def test_results_do_not_depend_on_batching_or_policy(deterministic):
                 assert abs(a.logprob - b.logprob) <= 1e-5
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_chunked_prefill_equals_unchunked():
     model = small(seed=1)
     batch = [*prompts(7, 6, max_len=400), list(range(1, 500))]
@@ -70,7 +68,7 @@ async def test_chunked_prefill_equals_unchunked():
         assert abs(a.logprob - b.logprob) <= 1e-5
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_weights_file_loads_and_bad_files_fail_the_start(tmp_path: Path):
     from aioprefill.workers.weights import random_weights, save_weights
 

@@ -16,9 +16,7 @@ from aioprefill import Engine, EngineConfig, PaddleModel
 from tests.hf.goldens import DATA, expected
 from tests.model.batches import SMALL
 
-# One loop (uvloop): the subject is the model's numbers, not the event loop (each loop
-# started the same Paddle workers again).
-pytestmark = [pytest.mark.asyncio(loop_factories=["uvloop"]), pytest.mark.slow]
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 
 def prompts(seed: int) -> list[list[int]]:

@@ -80,9 +80,7 @@ async def test_str_prompt_refusals():
         assert engine.stats().submitted == 0
 
 
-# One loop (uvloop): the subject is the model's numbers, not the event loop (each loop
-# started the same Paddle workers again).
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_paddle_engine_text_equals_ids():
     """A real Paddle model with SmolLM2's vocabulary size: text and its ids give one result."""
     model = msgspec.structs.replace(SMALL, vocab_size=49152, deterministic=True)

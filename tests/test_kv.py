@@ -34,9 +34,7 @@ def kv_segments(engine: Engine) -> list[str]:
     return [n for n in own_segments() if n.endswith("-" + engine._kv._tag)]
 
 
-# One loop (uvloop) for the tests of what an export holds, its budget and its segments; the
-# exports' ends by engine close and by cancellation keep both loops.
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_handle_maps_closes_and_frees():
     async with Engine(EngineConfig(model=sim())) as engine:
         r = await engine.prefill([4, 5, 6], return_kv=True)
@@ -70,7 +68,7 @@ async def test_engine_close_frees_exports_left_open():
     assert not any((SHM / n).exists() for n in names)
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_budget_refuses_before_queueing_and_recovers_on_close():
     config = EngineConfig(model=sim(), max_kv_export_bytes=10 * PER_TOKEN)
     async with Engine(config) as engine:
@@ -115,7 +113,7 @@ async def test_failed_crashed_and_cancelled_requests_leave_nothing():
         assert kv_segments(engine) == []
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_a_tp_sim_group_exports_rank_0s_kv_into_fresh_segments():
     """Rank 0 alone writes a TP SimModel group's export: two ranks creating one fresh segment
     raced (one mapped it before the other had sized it: `ForwardFailed`, ~1 batch in 100)."""
@@ -185,7 +183,7 @@ def test_a_retry_replaces_the_half_written_export_of_a_dead_worker():
     assert not (SHM / ticket.name).exists() and ledger.used_bytes == 0
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_closed_exports_are_reused_unless_their_arrays_are_still_held():
     async with Engine(EngineConfig(model=sim())) as engine:
         a = await engine.prefill([1, 2, 3, 4], return_kv=True)

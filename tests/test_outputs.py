@@ -21,10 +21,7 @@ from aioprefill.workers.sim import (
     sim_top_k,
 )
 
-# One loop (uvloop): the subject is the output options' values and where they travel (ring
-# or segment), which the workers and the engine's books decide, not the event loop
-# (tests/test_engine.py runs the engine on both loops).
-pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])
+pytestmark = pytest.mark.asyncio
 
 
 def sim(**kw) -> SimModel:

@@ -19,9 +19,7 @@ from tests.hf.goldens import DATA, GOLDENS, expected
 TOLERANCE = 1e-4
 
 
-# One loop (uvloop): the subject is the model's numbers, not the event loop (each loop
-# started the same Paddle workers again).
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 @pytest.mark.parametrize("name", GOLDENS)
 async def test_top_k_and_prompt_logprobs_match_hugging_face(name: str) -> None:
     exp = expected(name)

@@ -15,9 +15,7 @@ from aioprefill.workers.weights import random_weights
 from tests.model.batches import SMALL
 from tests.model.reference import as64, decode_logits, full
 
-# One loop (uvloop): the subject is the model's numbers, not the event loop (each loop
-# started the same Paddle workers again).
-pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])
+pytestmark = pytest.mark.asyncio
 
 
 @pytest.mark.parametrize("max_batch_tokens", [4096, 24], ids=["whole", "chunked"])

@@ -22,10 +22,7 @@ from aioprefill.workers.sim import (
     sim_top_k,
 )
 
-# One loop (uvloop): the subject is the prefix cache's hits, salts, eviction and routing,
-# which the scheduler and the workers decide, not the event loop (tests/test_engine.py runs
-# the engine on both loops).
-pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])
+pytestmark = pytest.mark.asyncio
 
 KV = 16  # SimModel.kv_bytes_per_token here: a 16-token block is 256 bytes
 

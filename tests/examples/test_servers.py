@@ -31,10 +31,8 @@ from aioprefill.text import no_tokenizer
 from aioprefill.validate import validate_prompt
 from aioprefill.workers.sim import expected_token
 
-# One loop (uvloop) for the test's client: the subject is the servers, each a process running
-# its own loop; a second client loop would only start all six servers again (45 s of CI).
 pytestmark = [
-    pytest.mark.asyncio(loop_factories=["uvloop"]),
+    pytest.mark.asyncio,
     pytest.mark.parametrize("example", ["aiohttp", "starlette", "asgi"]),
 ]
 

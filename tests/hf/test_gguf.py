@@ -125,9 +125,7 @@ def test_a_k_quant_reads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
     assert np.isfinite(got).all() and got.std() > 0
 
 
-# One loop (uvloop): the subject is the model's numbers, not the event loop (each loop
-# started the same Paddle workers again).
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_a_quantized_file_through_the_engine(tmp_path: Path) -> None:
     """Q8_0 dequantized in the worker: the engine's tokens and logprobs are those of a spec
     holding the same dequantized weights (a safetensors file), solo and batched."""

@@ -39,9 +39,7 @@ def check(name: str, results, exp: dict) -> None:
     assert worst <= TOLERANCE, f"{name}: |dlogprob| {worst:.2e}"
 
 
-# One loop (uvloop): the subject is the model's numbers, not the event loop (each loop
-# started the same Paddle workers again).
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 @pytest.mark.parametrize("name", GOLDENS)
 async def test_golden_through_the_engine(name: str) -> None:
     exp = expected(name)
@@ -85,7 +83,7 @@ def test_goldens_notice_a_wrong_setting(name: str, wrong: dict) -> None:
     assert np.abs(logprobs - np.asarray(exp["logprobs"])).max() > 10 * TOLERANCE
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_mistral_prompts_past_the_window_are_refused() -> None:
     model = PaddleModel.from_pretrained(DATA / "mistral_window")
     assert model.sliding_window == 128

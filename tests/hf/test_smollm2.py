@@ -53,9 +53,7 @@ def _check_kv(kv, i: int, a: dict[str, np.ndarray]) -> None:
             assert err < 1e-5, (part, i, layer, err)
 
 
-# One loop (uvloop): the subject is the model's numbers, not the event loop (each loop
-# started the same Paddle workers again).
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_smollm2_matches_transformers_batched_chunked_and_solo() -> None:
     cases, a = goldens()["cases"], arrays()
     model = PaddleModel.from_pretrained(gguf_path(), device="cpu")

@@ -27,9 +27,7 @@ from aioprefill.workers.store_hook import identity_for
 from tests.kvstore.util import need_store, options
 
 need_store()
-# One loop (uvloop): the subject is the store tier (master, segments, the cost rule), not the
-# loop; both loops started every master and both engines twice (26 s of CI).
-pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])
+pytestmark = pytest.mark.asyncio
 
 B = 16
 KV = 64  # SimModel.kv_bytes_per_token: a block's value is 1 KiB plus its header
@@ -45,8 +43,8 @@ def _check_invariants(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture
 def master():
-    """A fresh master per test: tests share prompts, and blocks an earlier test left (in a
-    segment not yet unmounted) must not serve a later one."""
+    """A fresh master per test: the same test runs on two event loops with the same prompts,
+    and blocks the first run left (in a segment not yet unmounted) must not serve the second."""
     with running_master() as m:
         yield m
 

@@ -12,30 +12,23 @@ from aioprefill import Engine, EngineConfig, PrefillResult, WorkerCrashed
 from aioprefill.workers.sim import expected_logprob, expected_token
 from tests.reliability.util import all_ready, busy_worker, kill_worker, prompt, seeded, sim, until
 
+pytestmark = pytest.mark.asyncio
+
 NUM_REQUESTS = 4000
 NUM_KILLS = 6
 STAGE_S = 0.5  # each stage's arrivals are spread over this long
 
 
-# Each policy runs once, each on one of the two loops: the subject is the engine's books under
-# kills (retries, restarts, exactly-once answers), which the policy shapes and the loop does
-# not; the full policy x loop matrix ran this 12-15 s test four times (the engine's wake-ups
-# and worker-death detection run on both loops in tests/reliability/test_worker_death.py).
-@pytest.mark.asyncio(loop_factories=["uvloop"])
-async def test_repeated_sigkill_under_load_loses_and_duplicates_nothing_forward():
-    await kills_under_load("forward", 3.0)
-
-
 # eager queues one batch per request at a worker: each kill strands hundreds of batches.
 # (Thousands of batches in flight make a full invariant recount per event quadratic, and this
 # test keeps it to a few seconds: eager runs it unchecked.)
-@pytest.mark.unchecked
-@pytest.mark.asyncio(loop_factories=["asyncio"])
-async def test_repeated_sigkill_under_load_loses_and_duplicates_nothing_eager():
-    await kills_under_load("eager", 1.0)
-
-
-async def kills_under_load(policy: str, fixed_ms: float) -> None:
+@pytest.mark.parametrize(
+    "policy, fixed_ms",
+    [("forward", 3.0), pytest.param("eager", 1.0, marks=pytest.mark.unchecked)],
+)
+async def test_repeated_sigkill_under_load_loses_and_duplicates_nothing(
+    policy: str, fixed_ms: float
+):
     rng = seeded()
     prompts = [prompt(rng) for _ in range(NUM_REQUESTS)]
     # Prompts longer than max_batch_tokens are chunked: a kill can land between their chunks.

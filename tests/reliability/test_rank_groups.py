@@ -22,9 +22,6 @@ from tests.reliability.test_untrusted_bytes import result
 from tests.reliability.util import all_ready, pid_alive, sim, until
 
 pytestmark = pytest.mark.asyncio
-# The tests of which answers a group gives and in what order run on uvloop alone (UVLOOP_ONLY);
-# the deaths, the grace timer, the idle timers and the stall bound keep both loops.
-UVLOOP_ONLY = pytest.mark.asyncio(loop_factories=["uvloop"])
 
 PROMPTS = [[i, i + 1, i + 2] for i in range(1, 41)]
 
@@ -33,7 +30,6 @@ def check(results: list[PrefillResult], prompts: list[list[int]] = PROMPTS) -> N
     assert [r.token for r in results] == [expected_token(p) for p in prompts]
 
 
-@UVLOOP_ONLY
 async def test_tp_groups_answer_every_request_and_list_every_rank():
     async with Engine(EngineConfig(model=sim(2.0), num_workers=2, tp_size=2)) as engine:
         pids = engine.worker_pids()
@@ -45,7 +41,6 @@ async def test_tp_groups_answer_every_request_and_list_every_rank():
         assert engine.stats().empty_batches == 0
 
 
-@UVLOOP_ONLY
 @pytest.mark.parametrize("policy", ["eager", "timeout"])
 async def test_tp_groups_with_several_batches_in_flight(policy: str):
     """Queued batches: each rank answers them in order, each is done when both ranks did."""
@@ -56,7 +51,6 @@ async def test_tp_groups_with_several_batches_in_flight(policy: str):
         assert engine.stats().protocol_errors == 0
 
 
-@UVLOOP_ONLY
 async def test_tp_next_batch_waits_for_the_slowest_rank():
     """Regression for the shared 'forward done' word: rank 1 answers 150 ms after rank 0, and
     no batch is sent to the group before both answered the one before it."""
@@ -73,7 +67,6 @@ async def test_tp_next_batch_waits_for_the_slowest_rank():
         assert sent - end >= 140e6
 
 
-@UVLOOP_ONLY
 async def test_tp_answer_from_a_rank_for_another_batch_is_never_taken():
     model = sim(1.0, slow_rank=1, slow_rank_ms=1000.0)
     async with Engine(EngineConfig(model=model, tp_size=2)) as engine:
@@ -189,7 +182,6 @@ async def test_tp_rank_failing_out_of_step_stops_the_group_without_waiting_for_t
         check(await asyncio.gather(*(engine.prefill(p) for p in PROMPTS[:8])), PROMPTS[:8])
 
 
-@UVLOOP_ONLY
 async def test_tp_failure_in_step_fails_the_batch_and_keeps_the_group():
     """Every rank raising at the same point (after the barrier) is a plain failed batch: no
     grace timer fires, the group keeps its processes."""
@@ -207,7 +199,6 @@ def ep(model: SimModel | None = None, **kw) -> EngineConfig:
     return EngineConfig(model=model or sim(2.0), num_workers=2, expert_parallel=True, **kw)
 
 
-@UVLOOP_ONLY
 async def test_ep_step_with_one_busy_rank_completes_with_an_empty_batch_beside_it():
     async with Engine(ep()) as engine:
         r = await engine.prefill(PROMPTS[0])

@@ -46,8 +46,7 @@ async def _pull_elsewhere(params: dict, out) -> np.ndarray:
     return np.load(out)
 
 
-# One loop (uvloop): the subject is the pulled KV's numbers, not the event loop.
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_pulled_kv_of_a_real_checkpoint_decodes_like_a_full_prefill(tmp_path):
     model = PaddleModel.from_pretrained(DATA / NAME, device="cpu")
     w64 = as64(load_file(str(DATA / NAME / "model.safetensors")))

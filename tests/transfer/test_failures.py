@@ -45,9 +45,7 @@ def _forged(params: dict, **changes: object) -> dict:
     return out
 
 
-# One loop (uvloop): the subject is the transfer's failures (Mooncake, processes), not the
-# event loop.
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_forged_and_malformed_params_raise_typed_errors():
     async with Engine(transfer_config()) as engine:
         r = await engine.prefill(list(range(1, 33)), return_kv=True)
@@ -128,7 +126,7 @@ def test_a_hung_or_dead_prefill_engine_fails_the_pull_within_the_timeout():
             proc.stdout.close()
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_a_decode_process_killed_mid_pull_leaves_nothing_once_the_export_expires():
     async with Engine(transfer_config(ttl=3.0)) as engine:
         r = await engine.prefill(list(range(1, 200)), return_kv=True)

@@ -27,9 +27,7 @@ from aioprefill import Engine, InvalidRequest, KVExportClosed  # noqa: E402
 from aioprefill.transfer import pull_kv, release_kv  # noqa: E402
 
 
-# One loop (uvloop) per test: the subject is Mooncake's pulls and the exports' lifetimes, not
-# the event loop (tests/test_kv.py ends exports by engine close and cancellation on both loops).
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_another_process_pulls_the_export_bit_for_bit(tmp_path):
     async with Engine(transfer_config()) as engine:
         rs = [await engine.prefill(list(range(1, n)), return_kv=True) for n in (2, 41)]
@@ -66,7 +64,7 @@ async def test_another_process_pulls_the_export_bit_for_bit(tmp_path):
     assert kv_segments(engine) == []
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_pull_into_caller_buffers_whole_or_layer_by_layer():
     async with Engine(transfer_config()) as engine:
         r = await engine.prefill(list(range(3, 30)), return_kv=True)
@@ -94,7 +92,7 @@ async def test_pull_into_caller_buffers_whole_or_layer_by_layer():
                 pull_kv(params, into=into)  # refused before any read
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_pulls_after_close_reuse_release_and_expiry_raise_kv_export_closed():
     async with Engine(transfer_config(ttl=0.6)) as engine:
         a = await engine.prefill(list(range(1, 17)), return_kv=True)
@@ -139,7 +137,7 @@ async def test_pulls_after_close_reuse_release_and_expiry_raise_kv_export_closed
     assert type(caught.value).__name__ == "TransferError"
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_transfer_params_need_kv_transfer():
     from aioprefill import EngineConfig
     from tests.reliability.util import sim
@@ -161,7 +159,7 @@ def test_long_reads_are_sliced_without_gaps():
     assert sliced([(0, 0, 8)], piece=8) == [(0, 0, 8)]
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_an_export_larger_than_a_slice_pulls_whole():
     async with Engine(transfer_config(max_batch_tokens=32768)) as engine:
         r = await engine.prefill([i % 30000 + 1 for i in range(20000)], return_kv=True)
@@ -171,7 +169,7 @@ async def test_an_export_larger_than_a_slice_pulls_whole():
         r.kv.close()
 
 
-@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.asyncio
 async def test_a_pull_after_the_budget_evicted_the_closed_segment_raises_kv_export_closed():
     from aioprefill.kv import SIM_KV_LAYOUT
 
