@@ -2,7 +2,7 @@
 NumPy runs them on the tensors' memory (zero-copy through DLPack) and oneDNN the softmax
 (`paddle_softmax`); on a GPU they stay Paddle ops.
 
-Why, measured on the project's 2-vCPU Zen 4 (SmolLM2-135M, 8 x 280 ids, 1 thread; py-spy, and
+Why, measured on a 2-vCPU Intel Xeon build host (SmolLM2-135M, 8 x 280 ids, 1 thread; py-spy, and
 each op timed inside real forwards): Paddle's CPU kernels for these ops were ~20% of a forward.
 RoPE as `x * cos + roll(x) * sin` over full-size `[heads, rows, dim]` cos/sin tables copied out
 per forward (Paddle broadcasts ~10x slower than it adds equal shapes) took 7.4 ms per layer at

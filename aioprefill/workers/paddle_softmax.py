@@ -3,7 +3,7 @@ oneDNN's softmax primitive from Paddle's wheel.
 
 Attention's softmax was 6% of a CPU forward's time (SmolLM2-135M, 8 x 280 ids, 1 thread,
 py-spy): Paddle's CPU `softmax` kernel runs its passes in scalar loops (~1.7 ns per score on
-the project's Zen 4 build machine; NumPy's vectorised passes are no faster). oneDNN's JIT
+a 2-vCPU Intel Xeon build host; NumPy's vectorised passes are no faster). oneDNN's JIT
 kernel (`jit:avx512_core` or `jit:avx2` by the CPU) takes the row in one read, ~4-5x faster on
 attention's shapes (9 x 128 x 256 scores: 0.11 against 0.55 ms), within a few float32 ulps of
 Paddle's. The wheel ships the library for its static-graph kernels (`paddle_gemm` calls its
