@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +98,20 @@ async def test_forged_and_malformed_params_raise_typed_errors():
         assert registered(engine) == 2
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Until every thread of `pid` is stopped: SIGSTOP reaches each thread as it next leaves the
+    kernel, and on a loaded machine one of Mooncake's server threads once answered a pull
+    after kill() had returned (CI-like fresh clone, two test processes)."""
+    deadline = time.monotonic() + timeout
+    tasks = Path(f"/proc/{pid}/task")
+    while time.monotonic() < deadline:
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+        if all(state in "Tt" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} not stopped after {timeout} s: {states}")
+
+
 def test_a_hung_or_dead_prefill_engine_fails_the_pull_within_the_timeout():
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.transfer.children", "serve"],
@@ -109,6 +124,7 @@ def test_a_hung_or_dead_prefill_engine_fails_the_pull_within_the_timeout():
         params = json.loads(proc.stdout.readline())
         assert pull_kv(params, timeout_s=10.0).shape[2] == 64
         os.kill(proc.pid, signal.SIGSTOP)  # hung: accepts nothing, answers nothing
+        wait_stopped(proc.pid)
         started = time.monotonic()
         with pytest.raises(TransferError, match=r"within 1\.0 s"):
             pull_kv(params, timeout_s=1.0)
