@@ -135,7 +135,7 @@ def test_a_large_flush_is_split_into_batches_the_router_takes(pub, sub):
     seq = sub.join(pub)
     for i in range(2 * MAX_EVENTS + 10):  # disjoint one-block chains
         pub.stored(0, [i + 1], None, tokens(1, i))
-    assert sub.pending() == 2 * MAX_EVENTS + 10
+    assert sub.pending(expect=2 * MAX_EVENTS + 10) == 2 * MAX_EVENTS + 10
     pub.snapshot()  # AllBlocksCleared + every chain: 3 batches
     sizes = [len(sub.recv()[2][1]) for _ in range(3)]
     assert sizes == [MAX_EVENTS, MAX_EVENTS, 11] and pub.seq == seq + 2 * MAX_EVENTS + 13

@@ -39,12 +39,17 @@ class Subscriber:
         assert len(seq) == 8
         return topic, int.from_bytes(seq, "big", signed=True), msgspec.msgpack.decode(payload)
 
-    def pending(self) -> int:
-        n = 0
-        while self.sub.poll(0):
+    def pending(self, expect: int = 0, timeout: float = 10.0) -> int:
+        """How many messages arrive: those already here, waiting up to `timeout` s while fewer
+        than `expect` came (ZMQ's I/O thread delivers what a PUB sent a moment later: a
+        fresh-clone run once counted 1,131 of 2,058 without waiting)."""
+        n, deadline = 0, time.monotonic() + timeout
+        while True:
+            wait = max(0.0, deadline - time.monotonic()) if n < expect else 0.0
+            if not self.sub.poll(int(wait * 1000)):
+                return n
             self.sub.recv_multipart()
             n += 1
-        return n
 
     def join(self, pub: KVEventPublisher, flush: Any = None) -> int:
         """Wait until the SUB gets messages (a PUB drops what it sends before a subscriber
