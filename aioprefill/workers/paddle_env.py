@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -37,6 +38,7 @@ __all__ = [
     "is_amd_cpu",
     "keep_freed_memory",
     "library_versions",
+    "onednn_library",
     "paddle_libs",
     "quiet_native_logs",
 ]
@@ -127,6 +129,20 @@ def paddle_libs() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))) / "libs"
 
 
+@functools.cache
+def onednn_library() -> ctypes.CDLL | None:
+    """The oneDNN library Paddle's wheel ships (`libdnnl.so.3`), loaded once, or None where there
+    is none. Load it after paddle (workers) or after libiomp5 (`library_versions`): its OpenMP
+    calls then bind to the wheel's runtime, not to the libgomp it links."""
+    libs = paddle_libs()
+    if libs is None or not (libs / "libdnnl.so.3").exists():
+        return None
+    try:
+        return ctypes.CDLL(str(libs / "libdnnl.so.3"))
+    except OSError:
+        return None
+
+
 class _DnnlVersion(ctypes.Structure):
     _fields_ = [
         ("major", ctypes.c_int),
@@ -149,13 +165,12 @@ def library_versions() -> dict[str, str]:
     # libgomp it links (a second thread pool: measured 1.7x a forward's CPU time)
     with contextlib.suppress(OSError):
         ctypes.CDLL(str(libs / "libiomp5.so"), mode=ctypes.RTLD_GLOBAL)
-    try:
-        dnnl = ctypes.CDLL(str(libs / "libdnnl.so.3"))
-        dnnl.dnnl_version.restype = ctypes.POINTER(_DnnlVersion)
-        v = dnnl.dnnl_version().contents
-        out["onednn"] = f"{v.major}.{v.minor}.{v.patch}"
-    except (OSError, AttributeError):
-        pass
+    dnnl = onednn_library()
+    with contextlib.suppress(AttributeError):
+        if dnnl is not None:
+            dnnl.dnnl_version.restype = ctypes.POINTER(_DnnlVersion)
+            v = dnnl.dnnl_version().contents
+            out["onednn"] = f"{v.major}.{v.minor}.{v.patch}"
     try:  # MKL needs its OpenMP runtime's symbols in the global scope (loaded above)
         mkl = ctypes.CDLL(str(libs / "libmklml_intel.so"))
         buf = ctypes.create_string_buffer(256)

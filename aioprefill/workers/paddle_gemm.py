@@ -31,7 +31,7 @@ import functools
 
 import paddle
 
-from aioprefill.workers.paddle_env import cpu_gemm, paddle_libs
+from aioprefill.workers.paddle_env import cpu_gemm, onednn_library, paddle_libs
 
 __all__ = ["Products"]
 
@@ -42,13 +42,10 @@ _FLOAT = 4  # bytes
 def _load_sgemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """oneDNN's row-major `dnnl_sgemm` from Paddle's wheel, or None where there is none.
     Called after paddle loaded the library, so its OpenMP calls are bound as Paddle's are."""
-    libs = paddle_libs()
-    if libs is None or not (libs / "libdnnl.so.3").exists():
+    lib = onednn_library()
+    if lib is None or not hasattr(lib, "dnnl_sgemm"):
         return None
-    try:
-        fn = ctypes.CDLL(str(libs / "libdnnl.so.3")).dnnl_sgemm
-    except (OSError, AttributeError):
-        return None
+    fn = lib.dnnl_sgemm
     size, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.restype = ctypes.c_int
     # transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc

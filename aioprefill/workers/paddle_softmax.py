@@ -24,7 +24,7 @@ import functools
 
 import numpy as np
 
-from aioprefill.workers.paddle_env import paddle_libs
+from aioprefill.workers.paddle_env import onednn_library
 
 __all__ = ["onednn_softmax_available", "softmax_rows_"]
 
@@ -63,12 +63,10 @@ class _Dnnl:
 
 @functools.cache
 def _dnnl() -> _Dnnl | None:
-    libs = paddle_libs()
-    if libs is None or not (libs / "libdnnl.so.3").exists():
-        return None
+    lib = onednn_library()
     try:
-        return _Dnnl(ctypes.CDLL(str(libs / "libdnnl.so.3")))
-    except (OSError, AttributeError, RuntimeError):
+        return None if lib is None else _Dnnl(lib)
+    except (AttributeError, RuntimeError):
         return None
 
 
