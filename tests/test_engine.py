@@ -168,9 +168,13 @@ async def test_overload_raises_and_wait_true_waits_for_room():
 
 
 async def test_cancelled_callers_leak_nothing_and_get_nothing():
-    async with Engine(EngineConfig(model=sim(80.0))) as engine:
+    # The first forward must still be running when the ten queue and half of them cancel, or the
+    # ten go out as one batch before the cancels: 400 ms covers the loop stalls a loaded 2-core CI
+    # machine shows (0.13 s seen with 80 ms, which failed).
+    async with Engine(EngineConfig(model=sim(400.0))) as engine:
         in_flight = asyncio.create_task(engine.prefill([1]))
-        await asyncio.sleep(0.02)
+        while engine.stats().in_flight == 0:
+            await asyncio.sleep(0.005)
         pending = [asyncio.create_task(engine.prefill([i + 1])) for i in range(10)]
         await asyncio.sleep(0)
         for t in pending[::2]:
