@@ -4,7 +4,8 @@ the other node than turn k-1, so without the store a node's own cache holds the 
 only up to turn k-2; with it, turn k loads turn k-1's blocks, which the other node put.
 
 Two `python -m aioprefill.serve --model SmolLM2.gguf` nodes (one worker, `--threads` threads
-each, the default 1 GiB local cache), and for the store runs a fresh `mooncake_master` (from
+each, the default 1 GiB local cache, or `--local-cache-mb` MiB: the issue's "small local
+budgets"), and for the store runs a fresh `mooncake_master` (from
 the wheel) that both name with `--kv-store-master`; a fresh `vllm-router --policy round_robin`
 in front. `--conversations` (odd, so that each conversation alternates nodes) chats of
 `--turns` turns run turn by turn (turn k of every conversation, then turn k+1), one request
@@ -18,7 +19,8 @@ Per turn (means over conversations): prompt tokens, tokens cached
 and the client's time to the answer (TTFT: the router's hop included). Runs in the order
 local, store, store, local (ABBA); the table shows the means.
 
-    python benchmarks/bench_kvstore_chat.py [--conversations 3] [--turns 6] [--threads 1]
+    python benchmarks/bench_kvstore_chat.py [--conversations 3] [--turns 6] [--threads 1] \
+        [--local-cache-mb 32]
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def start_node(stack: ExitStack, args: argparse.Namespace, master: str | None) -
             "--device", "cpu"]  # fmt: skip
     if master is not None:
         argv += ["--kv-store-master", master]
+    if args.local_cache_mb is not None:
+        argv += ["--prefix-cache-bytes", str(args.local_cache_mb << 20)]
     node = Proc(stack, argv, f"chat{port}")
     node.url = f"http://127.0.0.1:{port}"
     return node
@@ -150,6 +154,8 @@ def main() -> None:
     ap.add_argument("--reply-words", type=int, default=60)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--gguf", type=Path, default=None)
+    ap.add_argument("--local-cache-mb", type=int, default=None,
+                    help="each node's prefix cache (default: the engine's 1 GiB)")  # fmt: skip
     args = ap.parse_args()
     if args.conversations % 2 == 0:
         raise SystemExit("--conversations must be odd (so that each one alternates nodes)")
@@ -165,7 +171,8 @@ def main() -> None:
     print(
         f"# bench_kvstore_chat: SmolLM2-135M (GGUF), 2 serve nodes x 1 worker x {args.threads} "
         f"thread(s) behind vllm-router round_robin; {args.conversations} conversations x "
-        f"{args.turns} turns, turn by turn, one request at a time; means of local,store,store,local"
+        f"{args.turns} turns, turn by turn, one request at a time; means of local,store,store,"
+        f"local; local cache {args.local_cache_mb or '1024 (default)'} MiB"
     )
     print(f"{'turn':>4} {'prompt':>7} | {'cached':>7} {'computed':>8} {'TTFT ms':>8} | "
           f"{'cached':>7} {'computed':>8} {'TTFT ms':>8}   (local | store)")  # fmt: skip
