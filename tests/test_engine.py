@@ -20,6 +20,7 @@ from aioprefill import (
 )
 from aioprefill.workers.sim import expected_logprob, expected_token
 from tests.conftest import own_segments
+from tests.waits import until_sent
 
 pytestmark = pytest.mark.asyncio
 
@@ -62,9 +63,9 @@ async def test_thousands_of_concurrent_callers_each_get_their_own_result():
 
 
 async def test_forward_policy_gathers_arrivals_during_a_forward():
-    async with Engine(EngineConfig(model=sim(150.0))) as engine:
+    async with Engine(EngineConfig(model=sim(400.0))) as engine:
         first = asyncio.create_task(engine.prefill([1, 2, 3]))
-        await asyncio.sleep(0.03)  # the lone request went out at once: its forward is running
+        await until_sent(engine)  # the lone request went out at once: its forward is running
         later = [asyncio.create_task(engine.prefill([i + 1])) for i in range(20)]
         r0 = await first
         rest = await asyncio.gather(*later)
@@ -154,9 +155,9 @@ async def test_bad_input_is_refused_before_anything_is_queued(bad):
 
 
 async def test_overload_raises_and_wait_true_waits_for_room():
-    async with Engine(EngineConfig(model=sim(100.0), max_pending=3)) as engine:
+    async with Engine(EngineConfig(model=sim(400.0), max_pending=3)) as engine:
         running = asyncio.create_task(engine.prefill([1]))
-        await asyncio.sleep(0.02)
+        await until_sent(engine)
         queued = [asyncio.create_task(engine.prefill([2])) for _ in range(3)]
         await asyncio.sleep(0)
         with pytest.raises(EngineOverloaded):
@@ -173,8 +174,7 @@ async def test_cancelled_callers_leak_nothing_and_get_nothing():
     # machine shows (0.13 s seen with 80 ms, which failed).
     async with Engine(EngineConfig(model=sim(400.0))) as engine:
         in_flight = asyncio.create_task(engine.prefill([1]))
-        while engine.stats().in_flight == 0:
-            await asyncio.sleep(0.005)
+        await until_sent(engine)
         pending = [asyncio.create_task(engine.prefill([i + 1])) for i in range(10)]
         await asyncio.sleep(0)
         for t in pending[::2]:

@@ -24,6 +24,7 @@ from aioprefill.shm.segments import cleanup_stale_segments, owner_pid
 from aioprefill.workers.sim import sim_kv
 from tests.conftest import own_segments
 from tests.reliability.util import sim, wait_dead
+from tests.waits import until_sent
 
 SHM = Path("/dev/shm")
 ROOT = Path(__file__).parents[1]
@@ -95,7 +96,7 @@ async def test_budget_refuses_before_queueing_and_recovers_on_close():
 
 @pytest.mark.asyncio
 async def test_failed_crashed_and_cancelled_requests_leave_nothing():
-    model = sim(fixed_ms=100.0, fail_token=31000, crash_token=31001)
+    model = sim(fixed_ms=300.0, fail_token=31000, crash_token=31001)
     config = EngineConfig(model=model, max_retries=0)
     async with Engine(config) as engine:
         with pytest.raises(ForwardFailed):
@@ -103,7 +104,7 @@ async def test_failed_crashed_and_cancelled_requests_leave_nothing():
         with pytest.raises(WorkerCrashed):
             await engine.prefill([1, 31001], return_kv=True)
         task = asyncio.ensure_future(engine.prefill([1, 2, 3], return_kv=True))
-        await asyncio.sleep(0.03)  # in the worker's forward now
+        await until_sent(engine)  # in the worker's forward now
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

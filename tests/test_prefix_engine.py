@@ -21,6 +21,7 @@ from aioprefill.workers.sim import (
     sim_prompt_top_k,
     sim_top_k,
 )
+from tests.waits import until_sent
 
 pytestmark = pytest.mark.asyncio
 
@@ -101,9 +102,9 @@ async def test_salts_isolate_and_bad_salts_are_refused_before_queueing():
 
 
 async def test_requests_sharing_an_uncached_prefix_in_one_batch_compute_it_once():
-    async with Engine(EngineConfig(model=sim(50.0), prefix_cache_bytes=1 << 20)) as engine:
+    async with Engine(EngineConfig(model=sim(300.0), prefix_cache_bytes=1 << 20)) as engine:
         blocker = asyncio.create_task(engine.prefill([5]))  # a forward to gather behind
-        await asyncio.sleep(0.01)
+        await until_sent(engine)
         shared = ids(11, 64)
         prompts = [shared + ids(100 + i, 5) for i in range(4)]
         results = await asyncio.gather(*(engine.prefill(p) for p in prompts))
