@@ -84,7 +84,9 @@ def _aligned(
     the row's absolute position, so a prompt computed whole, in chunks or after a cached prefix
     gives the same bits (masked keys get probability exactly 0). Without it a tile has the
     chunk's rows only, and a row's scores, softmax and weighted sum still run over the same
-    keys whatever its chunk (bitwise on SmolLM2 with MKL: benchmarks/results/hit_exact.txt)."""
+    keys whatever its chunk (bitwise on SmolLM2 with MKL on an Intel Xeon, but not on an AMD
+    EPYC, where MKL's products move a row's bits with the tile's row count: the runner pads in
+    both modes)."""
     kv_heads, group, rows, dim = q.shape
     heads, total = kv_heads * group, past + rows
     first, last = past // tile, (total - 1) // tile

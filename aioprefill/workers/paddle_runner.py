@@ -18,12 +18,13 @@ allowed: a request's log-probability moves by ~1e-7 between batch compositions (
 it to 1e-5), but a prefix-cache hit or a chunk cut changes no bit: every product has at least
 `_floor` rows (zero-padded), from which a row's result does not move with the row count
 (checked when the runner starts, `paddle_rows`; where it fails, a warning), and attention
-runs on query tiles of `_ATTN_TILE` absolute positions. `deterministic=True` makes results
-bitwise identical by never letting a shape depend on the batch: the linear layers multiply
-fixed tiles of `_TILE_ROWS` rows and the LM head fixed tiles of `_HEAD_TILE_ROWS` rows,
-zero-padded, and attention tiles are zero-padded too (MKL treated every row position of a 64-
-or 16-row product alike, not of a 32-row one; tests check it bitwise): ~1.1x the cost on full
-batches, up to 2.3x on a lone short request (benchmarks/bench_paddle_model.py).
+runs on query tiles of `_ATTN_TILE` absolute positions, zero-padded to whole tiles (MKL's
+attention products moved a row's bits with a tile's row count on an AMD EPYC).
+`deterministic=True` makes results bitwise identical by never letting a shape depend on the
+batch: the linear layers multiply fixed tiles of `_TILE_ROWS` rows and the LM head fixed tiles
+of `_HEAD_TILE_ROWS` rows, zero-padded (MKL treated every row position of a 64- or 16-row
+product alike, not of a 32-row one; tests check it bitwise): ~1.1x the cost on full batches,
+up to 2.3x on a lone short request (benchmarks/bench_paddle_model.py).
 
 This module is imported only in worker processes (a forkserver may preload it): it imports
 paddle, and first sets MKL's CPU dispatch on AMD processors; a CPU runner also changes how
@@ -283,7 +284,7 @@ class PaddleRunner:
         prefix = (
             None if plan is None or self._store is None else PrefixForward(self._store, plan, batch)
         )
-        att = functools.partial(attend, tile=_ATTN_TILE, pad=self._deterministic)  # whole tiles
+        att = functools.partial(attend, tile=_ATTN_TILE, pad=True)  # whole tiles, both modes
         bounds = list(itertools.pairwise(offsets.tolist()))
         exports = self._exports = open_writers(batch, kv_layout(spec), self._kv_share)
         eps, rms_norm = spec.rms_norm_eps, self._rms_norm
