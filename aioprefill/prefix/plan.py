@@ -14,10 +14,15 @@ questions per request and tells it each chunk it takes, in batch order:
 
 Only the first chunk computed of a prompt reads; every chunk writes the full blocks it
 completes that the group does not hold yet (stopping at the first one it holds, or when every
-slot is pinned). `columns()` gives the `PrefillBatch` columns (kept in wire bytes as chunks are
-placed, so handing them over costs nothing); once the pool took the batch, `commit()` counts
-the lookups and tells the observer; if it did not, `abort()` gives back every slot taken
-(blocks evicted meanwhile stay forgotten: harmless).
+slot is pinned). With a KV store (`store_keys`), the written blocks' hashes travel too, and so
+do the hashes of the chunk's *tail*: the blocks of that run that no slot took (every slot
+pinned, a prompt longer than the cache, a run whose parent is gone), which the worker's store
+writes to scratch slots and puts, so no computed block is lost to the other nodes.
+
+`columns()` gives the `PrefillBatch` columns (kept in wire bytes as chunks are placed, so
+handing them over costs nothing); once the pool took the batch, `commit()` counts the lookups
+and tells the observer; if it did not, `abort()` gives back every slot taken (blocks evicted
+meanwhile stay forgotten: harmless).
 """
 
 from __future__ import annotations

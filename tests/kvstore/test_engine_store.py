@@ -174,11 +174,12 @@ async def test_a_second_node_reads_what_the_first_computed(master):
 
 async def test_blocks_past_the_local_slots_load_into_scratch_slots(master):
     cfg = config(master)
-    small = dataclasses.replace(
-        config(master, cache_blocks=4),
-        kv_store_options=dataclasses.replace(cfg.kv_store_options, scratch_blocks=16),
-    )
-    async with Engine(cfg) as a, Engine(small) as b, Engine(config(master, 4)) as c:
+
+    def small(scratch: int) -> EngineConfig:
+        store = dataclasses.replace(cfg.kv_store_options, scratch_blocks=scratch)
+        return dataclasses.replace(config(master, cache_blocks=4), kv_store_options=store)
+
+    async with Engine(cfg) as a, Engine(small(16)) as b, Engine(small(0)) as c:
         prompt = ids(11, 200)  # 12 full blocks, 192 tokens cacheable
         first = await a.prefill(prompt, prompt_logprobs=True)
         await asyncio.to_thread(wait_stored, master, prompt)
