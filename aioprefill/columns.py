@@ -34,7 +34,7 @@ class Columns:
         self.flags: list[int] | None = None if whole else []
         self.outputs: list[tuple[int, Any]] | None = None
         self.num_tokens = 0
-        # The prefix cache's five columns (`BatchPlan.columns()`), None: no reads, no writes.
+        # The prefix cache's columns (`BatchPlan.columns()`), None: no reads, writes, tails.
         self.cache: tuple[bytes, ...] | None = None
 
     def __len__(self) -> int:
@@ -116,7 +116,7 @@ def make_prefill_batch(
         total += len(part) >> 2
         offsets.append(total)
     # The cache columns go in the one call: a Struct field set after it is made costs ~0.1 us.
-    reads, read_slots, writes, write_slots, first, hashes = cache or _NO_CACHE
+    reads, read_slots, writes, write_slots, first, hashes, tails, tail_hashes = cache or _NO_CACHE
     msg = PrefillBatch(
         batch_id=batch_id,
         request_ids=struct.pack(f"<{n}q", *request_ids),
@@ -132,6 +132,8 @@ def make_prefill_batch(
         write_slots=write_slots,
         write_first=first,
         write_hashes=hashes,
+        tail_offsets=tails,
+        tail_hashes=tail_hashes,
     )
     if options is not None:
         msg.options, msg.top_k, msg.kv_names = options
@@ -139,4 +141,4 @@ def make_prefill_batch(
 
 
 _WHOLE_PROMPT = bytes([FLAG_FIRST_CHUNK | FLAG_LAST_CHUNK])
-_NO_CACHE = (b"",) * 6  # PrefillBatch's defaults for the six prefix cache columns
+_NO_CACHE = (b"",) * 8  # PrefillBatch's defaults for the eight prefix cache columns

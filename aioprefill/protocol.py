@@ -23,25 +23,11 @@ from aioprefill.models import PaddleModel, SimModel
 from aioprefill.parallel import ParallelInfo
 from aioprefill.shm.channel import ChannelSpec
 
-__all__ = [
-    "BatchDone",
-    "BatchFailed",
-    "BatchResult",
-    "FromWorker",
-    "PrefillBatch",
-    "Ready",
-    "Shutdown",
-    "Spilled",
-    "StartFailed",
-    "ToWorker",
-    "WorkerSpec",
-    "decode_batch_result",
-    "decode_from_worker",
-    "decode_to_worker",
-    "decode_worker_spec",
-    "encode",
-    "encode_into",
-]
+__all__ = [  # (the messages, their unions, the codec)
+    "BatchDone", "BatchFailed", "BatchResult", "FromWorker", "PrefillBatch", "Ready", "Shutdown",
+    "Spilled", "StartFailed", "ToWorker", "WorkerSpec", "decode_batch_result",
+    "decode_from_worker", "decode_to_worker", "decode_worker_spec", "encode", "encode_into",
+]  # fmt: skip
 
 # Flags per request in PrefillBatch.flags
 FLAG_LAST_CHUNK = 1  # this chunk ends the prompt: compute the result, then free its state
@@ -118,25 +104,34 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
     # engine never writes a slot that the same batch reads for its old content.
     # write_hashes uint64[len(write_slots)] or empty: the written blocks' hashes (store keys,
     # only for workers with a store: it may load a chunk's leading written blocks instead).
+    # tail_offsets int32[n+1] into tail_hashes uint64[...] (or both empty; store only): the
+    # hashes of the full blocks chunk i computes past its writes (blocks write_first + its
+    # write count, + 1, ...; no slot holds them: the worker's store puts them).
     read_offsets: bytes = b""
     read_slots: bytes = b""
     write_offsets: bytes = b""
     write_slots: bytes = b""
     write_first: bytes = b""
     write_hashes: bytes = b""
+    tail_offsets: bytes = b""
+    tail_hashes: bytes = b""
 
     @property
     def size(self) -> int:
         return len(self.request_ids) // 8
 
     def cache_arrays(self) -> tuple[Any, ...] | None:
-        """(read_offsets, read_slots, write_offsets, write_slots, write_first, write_hashes or
-        None) validated, or None when the batch does not touch the prefix cache."""
+        """(read_offsets, read_slots, write_offsets, write_slots, write_first, write_hashes,
+        tail_offsets, tail_hashes; each of the last three None when empty) validated, or None
+        when the batch does not touch the prefix cache."""
         if not (self.read_offsets or self.write_offsets):
             return None
         n = self.size
+        tailed = bool(self.tail_offsets or self.tail_hashes)
         if len(self.read_offsets) != 4 * (n + 1) or len(self.write_offsets) != 4 * (n + 1):
             raise ProtocolError(f"PrefillBatch cache offsets are not {n + 1} int32")
+        if tailed and (len(self.tail_offsets) != 4 * (n + 1) or len(self.tail_hashes) % 8):
+            raise ProtocolError(f"PrefillBatch tail columns are not {n + 1} int32 and uint64s")
         if len(self.write_first) != 4 * n:
             raise ProtocolError(f"PrefillBatch.write_first is not {n} int32")
         read_offsets = np.frombuffer(self.read_offsets, dtype="<i4")
@@ -157,7 +152,14 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
         if len(self.write_hashes) not in (0, 2 * len(self.write_slots)):
             raise ProtocolError("PrefillBatch.write_hashes does not match its write slots")
         hashes = np.frombuffer(self.write_hashes, dtype="<u8") if self.write_hashes else None
-        return read_offsets, read_slots, write_offsets, write_slots, write_first, hashes
+        cols = (read_offsets, read_slots, write_offsets, write_slots, write_first, hashes)
+        if not tailed:
+            return (*cols, None, None)
+        tail_offsets = np.frombuffer(self.tail_offsets, dtype="<i4")
+        tails = np.frombuffer(self.tail_hashes, dtype="<u8")
+        if tail_offsets[0] != 0 or tail_offsets[n] != len(tails) or np.diff(tail_offsets).min() < 0:
+            raise ProtocolError("PrefillBatch tail offsets do not cover its tail hashes")
+        return (*cols, tail_offsets, tails)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(request_ids, offsets, tokens, start_pos, flags) as read-only views, validated."""
@@ -264,11 +266,7 @@ class BatchResult(msgspec.Struct, tag=True, array_like=True):
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = len(self.request_ids) // 8
-        if (
-            len(self.request_ids) != 8 * k
-            or len(self.tokens) != 4 * k
-            or len(self.logprobs) != 8 * k
-        ):
+        if (len(self.request_ids), len(self.tokens), len(self.logprobs)) != (8 * k, 4 * k, 8 * k):
             raise ProtocolError(f"BatchResult columns disagree on the result count ({k})")
         return (
             np.frombuffer(self.request_ids, dtype="<i8"),
@@ -335,9 +333,7 @@ def decode_to_worker(data: bytes | memoryview) -> PrefillBatch | Shutdown:
     return _decode(_to_worker, data, "engine->worker")
 
 
-def decode_from_worker(
-    data: bytes | memoryview,
-) -> Ready | StartFailed | BatchResult | BatchDone | Spilled | BatchFailed:
+def decode_from_worker(data: bytes | memoryview) -> FromWorker:
     return _decode(_from_worker, data, "worker->engine")
 
 

@@ -19,7 +19,7 @@ forward = the mean, over requests, of the worker's time for the forward that ans
 
     python benchmarks/bench_kvstore_cluster.py [--requests 600] [--speedup 4] [--block 16]
         [--local-blocks 64] [--kv-per-token 2048] [--segment-mb 256] [--preset gpu-class]
-        [--scratch-blocks 0]
+        [--scratch-blocks 64]
 """
 
 from __future__ import annotations
@@ -105,7 +105,12 @@ def cluster_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-per-token", type=int, default=2048)
     ap.add_argument("--segment-mb", type=int, default=256, help="each worker's store segment")
     ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--scratch-blocks", type=int, default=0, help="KVStoreOptions.scratch_blocks")
+    ap.add_argument(
+        "--scratch-blocks",
+        type=int,
+        default=KVStoreOptions().scratch_blocks,
+        help="KVStoreOptions.scratch_blocks",
+    )
     ap.add_argument("--preset", default="gpu-class", choices=sorted(SIM_PRESETS))
 
 
@@ -168,6 +173,16 @@ def main() -> None:
         f"computed x{store['computed'] / base['computed']:.2f}, "
         f"TTFT mean x{store['ttft_mean_ms'] / base['ttft_mean_ms']:.2f}"
     )
+    # Each run of the ABBA order on its own (the spread between runs on a shared host), and
+    # each store run against the local run next to it (1st with 1st, 2nd with 2nd).
+    for k in range(2):
+        lo, st = runs["local"][k], runs["store"][k]
+        print(
+            f"pair {k + 1}: local TTFT {lo['ttft_mean_ms']:.1f}ms, store TTFT "
+            f"{st['ttft_mean_ms']:.1f}ms hit {st['hit_ratio']:.3f}: computed "
+            f"x{st['computed'] / lo['computed']:.2f}, TTFT mean "
+            f"x{st['ttft_mean_ms'] / lo['ttft_mean_ms']:.2f}"
+        )
 
 
 if __name__ == "__main__":

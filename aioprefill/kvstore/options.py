@@ -61,8 +61,11 @@ class KVStoreOptions:
     a put never blocks a forward. `load_buffer_bytes`: where loads land before they are
     checked and copied into cache slots; it bounds the blocks one forward can load.
     `scratch_blocks`: cache slots each worker adds past the engine's (one block's bytes each,
-    allocated lazily), which a load fills when a prompt's blocks found in the store outrun the
-    slots the engine gave it to write (a full local cache): read by that forward, never indexed.
+    allocated lazily, touched as used), for the blocks a batch computes or loads past the
+    slots the engine gave it (a prompt longer than the local cache, or whose slots are all
+    pinned): written there, they are put like any other, and loads fill them; read by that
+    forward only, never indexed. 0: such blocks are computed and never put. (64 SmolLM2
+    blocks: 47 MiB.)
 
     Faults: a forward waits at most `load_timeout_s` for its loads, then computes. After a
     failed call (master killed or unreachable) the worker computes without asking the store,
@@ -87,7 +90,7 @@ class KVStoreOptions:
     segment_bytes: int = 256 << 20
     put_buffer_bytes: int = 32 << 20
     load_buffer_bytes: int = 32 << 20
-    scratch_blocks: int = 0
+    scratch_blocks: int = 64
     load_timeout_s: float = 2.0
     retry_min_s: float = 1.0
     retry_max_s: float = 30.0

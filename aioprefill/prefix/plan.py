@@ -14,10 +14,15 @@ questions per request and tells it each chunk it takes, in batch order:
 
 Only the first chunk computed of a prompt reads; every chunk writes the full blocks it
 completes that the group does not hold yet (stopping at the first one it holds, or when every
-slot is pinned). `columns()` gives the `PrefillBatch` columns (kept in wire bytes as chunks are
-placed, so handing them over costs nothing); once the pool took the batch, `commit()` counts
-the lookups and tells the observer; if it did not, `abort()` gives back every slot taken
-(blocks evicted meanwhile stay forgotten: harmless).
+slot is pinned). With a KV store (`store_keys`), the written blocks' hashes travel too, and so
+do the hashes of the chunk's *tail*: the blocks of that run that no slot took (every slot
+pinned, a prompt longer than the cache, a run whose parent is gone), which the worker's store
+writes to scratch slots and puts, so no computed block is lost to the other nodes.
+
+`columns()` gives the `PrefillBatch` columns (kept in wire bytes as chunks are placed, so
+handing them over costs nothing); once the pool took the batch, `commit()` counts the lookups
+and tells the observer; if it did not, `abort()` gives back every slot taken (blocks evicted
+meanwhile stay forgotten: harmless).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class BatchPlan:
         "index",
         "new",
         "num_reads",
+        "num_tails",
         "num_writes",
         "pins",
         "queried",
@@ -65,6 +71,8 @@ class BatchPlan:
         "read_offsets",
         "read_slots",
         "reads_left",
+        "tail_hashes",
+        "tail_offsets",
         "waits",
         "write_first",
         "write_hashes",
@@ -95,8 +103,13 @@ class BatchPlan:
         self.write_slots = bytearray()
         self.write_first = bytearray()
         self.write_hashes = bytearray()
+        # With a store: per request the running total of, and the hashes of, the full blocks
+        # it computes past its writes (no slot here holds them; the worker's store puts them).
+        self.tail_offsets = bytearray(_ZERO) if cache.store_keys else bytearray()
+        self.tail_hashes = bytearray()
         self.num_reads = 0
         self.num_writes = 0
+        self.num_tails = 0
         self.pins: list[int] = []  # every pin this batch took, in order
         self.new: list[int] = []  # slots it writes
         self.written: list[tuple[Request, int, int]] = []  # (request, first block, count)
@@ -172,11 +185,11 @@ class BatchPlan:
         first = start // size
         slot_of = index.slot_of
         run = hashes[first : end // size]
-        if run and first and hashes[first - 1] not in slot_of:
-            run = []  # (its chain's parent is not here: a block nobody could reach)
         if not slot_of.keys().isdisjoint(run):  # stop at the first block held already (or
             run = run[: next(i for i, h in enumerate(run) if h in slot_of)]  # written before)
-        taken = index.take(len(run)) if run else []
+        # (a run whose chain's parent is not here is not written: a block nobody could reach)
+        orphan = bool(run and first and hashes[first - 1] not in slot_of)
+        taken = index.take(len(run)) if run and not orphan else []
         count = len(taken)
         if count:  # fewer than asked when the rest of the slots are pinned
             index.put(run[:count], taken)
@@ -188,17 +201,23 @@ class BatchPlan:
                 self.write_hashes += struct.pack(f"<{count}Q", *run[:count])
         self.write_offsets += _INT32(self.num_writes)
         self.write_first += _INT32(first)
+        if self.cache.store_keys:  # the blocks it computes and no slot takes: pinned, or orphans
+            if count < len(run):
+                self.tail_hashes += struct.pack(f"<{len(run) - count}Q", *run[count:])
+                self.num_tails += len(run) - count
+            self.tail_offsets += _INT32(self.num_tails)
         if count:
             self.written.append((req, first, count))
         return Chunk(req, start, end, cached)
 
     def columns(self) -> tuple[bytes, ...] | None:
-        """(read_offsets, read_slots, write_offsets, write_slots, write_first, write_hashes)
-        for the `PrefillBatch` (little-endian int32, the hashes uint64), or None when the
-        batch neither reads nor writes a block. O(1): the plan's own buffers, built in wire
-        bytes as chunks were placed (so a batch's hand-off does nothing for them; msgspec
-        encodes a bytearray as it does bytes). No chunk is placed after this."""
-        if not self.num_reads and not self.num_writes:
+        """(read_offsets, read_slots, write_offsets, write_slots, write_first, write_hashes,
+        tail_offsets, tail_hashes) for the `PrefillBatch` (little-endian int32, the hashes
+        uint64), or None when the batch neither reads nor writes a block nor computes a tail.
+        O(1): the plan's own buffers, built in wire bytes as chunks were placed (so a batch's
+        hand-off does nothing for them; msgspec encodes a bytearray as it does bytes). No
+        chunk is placed after this."""
+        if not self.num_reads and not self.num_writes and not self.num_tails:
             return None
         # (bytearrays, read-only from here on: msgspec encodes them as bytes)
         return (  # type: ignore[return-value]
@@ -208,6 +227,8 @@ class BatchPlan:
             self.write_slots,
             self.write_first,
             self.write_hashes,
+            self.tail_offsets,
+            self.tail_hashes,
         )
 
     def commit(self) -> Pins | None:

@@ -287,7 +287,7 @@ def _guarded(step: Callable[..., Any], instead: Any, *args: Any) -> Any:
 
 _CACHE_FIELDS = (
     *("read_offsets", "read_slots", "write_offsets", "write_slots", "write_first"),
-    "write_hashes",
+    *("write_hashes", "tail_offsets", "tail_hashes"),
 )
 
 

@@ -58,6 +58,8 @@ class ForwardBatch:
     write_slots: np.ndarray | None = None  # int32
     write_first: np.ndarray | None = None  # int32[n]: prompt block held by the first write slot
     write_hashes: np.ndarray | None = None  # uint64, the written blocks' hashes (store keys)
+    tail_offsets: np.ndarray | None = None  # int32[n+1] into tail_hashes (store only)
+    tail_hashes: np.ndarray | None = None  # uint64: blocks computed past each chunk's writes
 
     @property
     def size(self) -> int:

@@ -9,10 +9,15 @@ blocks are *read*: the chunk starts `k * block_tokens` later, reads its slots pl
 ones, writes the rest. Nothing the engine planned changes: after the forward each write slot
 holds its block either way (loaded or computed), so the engine's index stays exact, and any
 failure (store down, block missing, refused, too slow) just means the blocks are computed.
-At least one token of every chunk is computed (a prompt's last token always is). With
-`KVStoreOptions.scratch_blocks`, the chain goes on past the chunk's write slots into scratch
-slots the runner has past the engine's, its hashes chained here from the last block written or
-read; those blocks are read by this forward only (never indexed, never put).
+At least one token of every chunk is computed (a prompt's last token always is).
+
+With `KVStoreOptions.scratch_blocks`, the runner has that many slots past the engine's, which
+the engine never names. A chunk's *tail*, the full blocks it computes past the write slots the
+engine gave it (a prompt longer than the local cache, or whose slots are all pinned; their
+hashes come with the batch, `PrefillBatch.tail_hashes`), is written to the next free scratch
+slots as if the engine had planned it (up to `scratch_blocks` a batch): its blocks are loaded
+into them like any others and, when computed, put. Scratch slots are never indexed: a block
+there serves this forward (and its put) only.
 
 Once the answer is sent (`StoreHook.put_written`, before the worker takes its next batch, so
 no slot has changed yet), every block the forward wrote (not those loaded) is listed for the
@@ -31,9 +36,7 @@ what they loaded before running the forward's collectives.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import struct
 from typing import Any, Protocol
 
 import msgspec
@@ -112,57 +115,42 @@ class StoreHook:
         pad = payload - sum(a.nbytes for a in slots.slot_arrays(0))
         self._pad = [np.zeros(pad, dtype=np.uint8)] if pad else []
         self.written: ForwardBatch | None = None  # the last forward's batch, until put
-        # Scratch slots (past the engine's) for blocks loaded past a prompt's write slots,
-        # chained from the hash of the block before them: the last written, or the last read
-        # (each engine slot's hash, as last written: `slot_hash`, known when `slot_known`).
-        self.scratch = list(range(engine_blocks, engine_blocks + tier.options.scratch_blocks))
-        self.slot_hash = np.zeros(engine_blocks, dtype=np.uint64)
-        self.slot_known = np.zeros(engine_blocks, dtype=bool)
+        # Scratch slots (past the engine's): each batch takes the next ones in turn (so that a
+        # slot's put is likely copied before it is taken again) for its chunks' tails.
+        self.scratch = np.arange(engine_blocks, engine_blocks + tier.options.scratch_blocks)
+        self.next_scratch = 0
 
     def before(self, batch: ForwardBatch) -> tuple[ForwardBatch, np.ndarray | None]:
-        """The batch to run (its loaded blocks turned into reads) and the tokens loaded per
-        chunk (None when none were)."""
+        """The batch to run (its tails written to scratch slots, its loaded blocks turned into
+        reads) and the tokens loaded per chunk (None when none were)."""
         if batch.write_slots is None:
             return batch, None
-        self.tier.settle(batch.write_slots.tolist())  # first: no slot rewritten before copied
-        hashes = batch.write_hashes
-        if hashes is None:  # nothing written: chains from read slots only
-            if len(batch.write_slots):
-                return batch, None
-            hashes = np.empty(0, dtype=np.uint64)
+        batch = self._with_tails(batch)
         ro, rs, wo, ws, wf = (
             batch.read_offsets, batch.read_slots, batch.write_offsets, batch.write_slots,
             batch.write_first,
         )  # fmt: skip
-        assert ro is not None and rs is not None and wo is not None and wf is not None
-        written_hashes = hashes.tolist()
-        self.slot_hash[ws] = hashes  # after this forward each write slot holds its block
-        self.slot_known[ws] = True
-        if not self.tier.is_up():
+        assert ro is not None and rs is not None and wo is not None and ws is not None
+        assert wf is not None
+        self.tier.settle(ws.tolist())  # first: no slot rewritten before its block is copied
+        hashes = batch.write_hashes
+        if hashes is None or not len(hashes) or not self.tier.is_up():
             return batch, None
+        written_hashes = hashes.tolist()
         b = self.block_tokens
         offsets, starts = batch.offsets.tolist(), batch.start_pos.tolist()
-        chunks, chains, targets, scratch = [], [], [], list(self.scratch)
+        chunks, chains, targets = [], [], []
         for i in range(batch.size):
             reads, first, w0, w1 = int(ro[i + 1] - ro[i]), int(wf[i]), int(wo[i]), int(wo[i + 1])
-            if starts[i] != reads * b or (w1 > w0 and first != reads):
+            if w1 == w0 or starts[i] != reads * b or first != reads:
                 continue  # a later chunk, or nothing written from the chunk's start
             a, most = offsets[i], (offsets[i + 1] - offsets[i] - 1) // b
-            chain = [(written_hashes[w0 + j], batch.tokens[a + j * b : a + (j + 1) * b])
-                     for j in range(min(most, w1 - w0))]  # fmt: skip
-            target = ws[w0 : w0 + len(chain)].tolist()
-            parent = chain[-1][0] if chain else self._parent(rs[ro[i] : ro[i + 1]])
-            for j in range(len(chain), min(most, len(chain) + len(scratch))):
-                if parent is None:
-                    break
-                ids = batch.tokens[a + j * b : a + (j + 1) * b]
-                parent = _chained(parent, ids)
-                chain.append((parent, ids))
-                target.append(scratch.pop(0))
-            if chain:
+            n = min(most, w1 - w0)
+            if n > 0:
                 chunks.append(i)
-                chains.append(chain)
-                targets.append(target)
+                chains.append([(written_hashes[w0 + j], batch.tokens[a + j * b : a + (j + 1) * b])
+                               for j in range(n)])  # fmt: skip
+                targets.append(ws[w0 : w0 + n].tolist())
         if not chains:
             return batch, None
 
@@ -174,17 +162,39 @@ class StoreHook:
             return batch, None
         blocks = np.zeros(batch.size, dtype=np.int32)
         blocks[chunks] = got
-        loaded = [np.empty(0, dtype=np.int32)] * batch.size
-        for i, target, g in zip(chunks, targets, got, strict=True):
-            loaded[i] = np.asarray(target[:g], dtype=np.int32)
-        return _as_reads(batch, blocks, loaded, b), blocks * b
+        return _as_reads(batch, blocks, b), blocks * b
 
-    def _parent(self, read_slots: np.ndarray) -> int | None:
-        """The hash of the last block a chunk reads, when known (None: no block read, so the
-        chain's seed is the request's salt, which the worker does not know)."""
-        if not len(read_slots) or not self.slot_known[read_slots[-1]]:
-            return None
-        return int(self.slot_hash[read_slots[-1]])
+    def _with_tails(self, batch: ForwardBatch) -> ForwardBatch:
+        """`batch` with each chunk's tail (the full blocks it computes past its write slots:
+        `PrefillBatch.tail_hashes`) written to the next scratch slots too, as many as there
+        are (the rest stay unwritten), so that they are loaded or put like any written block."""
+        to, th = batch.tail_offsets, batch.tail_hashes
+        wo, ws = batch.write_offsets, batch.write_slots
+        if to is None or th is None or not len(th) or not len(self.scratch):
+            return batch
+        wh = batch.write_hashes
+        assert wo is not None and ws is not None
+        if (wh is None and len(ws)) or not self.tier.is_up():
+            return batch  # (puts skipped while the link is down: nothing to write them for)
+        wh = np.empty(0, dtype=np.uint64) if wh is None else wh
+        room, total = len(self.scratch), len(self.scratch)
+        slots, hashes, counts = [], [], []
+        for i in range(batch.size):
+            k = min(room, int(to[i + 1] - to[i]))
+            at = (self.next_scratch + total - room + np.arange(k)) % total
+            slots += [ws[wo[i] : wo[i + 1]], self.scratch[at]]
+            hashes += [wh[wo[i] : wo[i + 1]], th[to[i] : to[i] + k]]
+            counts.append(int(wo[i + 1] - wo[i]) + k)
+            room -= k
+        self.next_scratch = (self.next_scratch + total - room) % total
+        return dataclasses.replace(
+            batch,
+            write_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+            write_slots=np.concatenate(slots).astype(np.int32),
+            write_hashes=np.concatenate(hashes).astype(np.uint64),
+            tail_offsets=None,
+            tail_hashes=None,
+        )
 
     def _fill(self, slot: int, payload: memoryview) -> None:
         at = 0
@@ -230,38 +240,27 @@ class StoreHook:
         self.tier.close()
 
 
-def _chained(parent: int, ids: np.ndarray) -> int:
-    """The block hash of `ids` after the block hashed `parent` (`prefix.hashing`)."""
-    digest = hashlib.blake2b(
-        struct.pack("<Q", parent) + np.ascontiguousarray(ids, dtype="<i4").tobytes(), digest_size=8
-    ).digest()
-    return int(struct.unpack("<Q", digest)[0])
-
-
-def _as_reads(
-    batch: ForwardBatch, blocks: np.ndarray, loaded: list[np.ndarray], b: int
-) -> ForwardBatch:
-    """`batch` with the first `blocks[i]` blocks of chunk i read (from the slots `loaded[i]`
-    they were loaded into: its write slots, then scratch ones) instead of computed."""
+def _as_reads(batch: ForwardBatch, blocks: np.ndarray, b: int) -> ForwardBatch:
+    """`batch` with the first `blocks[i]` blocks of chunk i read from its first write slots
+    (where they were loaded: engine slots, then scratch ones) instead of computed."""
     ro, rs, wo, ws, wf, wh = (
         batch.read_offsets, batch.read_slots, batch.write_offsets, batch.write_slots,
         batch.write_first, batch.write_hashes,
     )  # fmt: skip
     assert ro is not None and rs is not None and wo is not None and ws is not None
-    assert wf is not None
-    wh = np.empty(0, dtype=np.uint64) if wh is None else wh
+    assert wf is not None and wh is not None
     n, offsets = batch.size, batch.offsets
     keep_tokens, reads, writes, hashes = [], [], [], []
     new_ro, new_wo = [0], [0]
     for i in range(n):
         k = int(blocks[i])
         keep_tokens.append(batch.tokens[offsets[i] + k * b : offsets[i + 1]])
-        w = ws[wo[i] : wo[i + 1]]
-        reads += [rs[ro[i] : ro[i + 1]], loaded[i]]
-        writes.append(w[k:])
-        hashes.append(wh[wo[i] + min(k, len(w)) : wo[i + 1]])
+        w0, w1 = int(wo[i]), int(wo[i + 1])
+        reads += [rs[ro[i] : ro[i + 1]], ws[w0 : w0 + k]]
+        writes.append(ws[w0 + k : w1])
+        hashes.append(wh[w0 + k : w1])
         new_ro.append(new_ro[-1] + int(ro[i + 1] - ro[i]) + k)
-        new_wo.append(new_wo[-1] + len(w[k:]))
+        new_wo.append(new_wo[-1] + w1 - w0 - k)
     lens = np.diff(offsets) - blocks * b
     return dataclasses.replace(
         batch,

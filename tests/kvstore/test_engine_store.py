@@ -174,11 +174,12 @@ async def test_a_second_node_reads_what_the_first_computed(master):
 
 async def test_blocks_past_the_local_slots_load_into_scratch_slots(master):
     cfg = config(master)
-    small = dataclasses.replace(
-        config(master, cache_blocks=4),
-        kv_store_options=dataclasses.replace(cfg.kv_store_options, scratch_blocks=16),
-    )
-    async with Engine(cfg) as a, Engine(small) as b, Engine(config(master, 4)) as c:
+
+    def small(scratch: int) -> EngineConfig:
+        store = dataclasses.replace(cfg.kv_store_options, scratch_blocks=scratch)
+        return dataclasses.replace(config(master, cache_blocks=4), kv_store_options=store)
+
+    async with Engine(cfg) as a, Engine(small(16)) as b, Engine(small(0)) as c:
         prompt = ids(11, 200)  # 12 full blocks, 192 tokens cacheable
         first = await a.prefill(prompt, prompt_logprobs=True)
         await asyncio.to_thread(wait_stored, master, prompt)
@@ -189,12 +190,25 @@ async def test_blocks_past_the_local_slots_load_into_scratch_slots(master):
         without = await c.prefill(prompt)  # no scratch slots: only what its slots hold
         assert without.cached_tokens == 64 and without.token == first.token
         # B's cache now holds the prompt's first 4 blocks: a longer prompt reads them, then
-        # loads the next ones past the slots it is given, chained from the last one read.
+        # loads the next ones past the slots it is given (their hashes: the batch's tail).
         longer = [*prompt, *ids(13, 40)]
         await a.prefill(longer)
         await asyncio.to_thread(wait_stored, master, longer)
         third = await b.prefill(longer)
         assert third.cached_tokens == 224 and third.token == expected_token(longer)
+
+        # What B computes past its 4 slots is written to scratch slots and put: A loads every
+        # block of it. C, without scratch slots, puts only what its slots hold.
+        fresh = ids(17, 200)
+        assert (await b.prefill(fresh, prompt_logprobs=True)).cached_tokens == 0
+        await asyncio.to_thread(wait_stored, master, fresh)
+        fourth = await a.prefill(fresh, prompt_logprobs=True)
+        assert fourth.cached_tokens == 192 and fourth.token == expected_token(fresh)
+        np.testing.assert_array_equal(fourth.prompt_logprobs, sim_prompt_logprobs(fresh))
+        other = ids(19, 200)
+        await c.prefill(other)
+        await asyncio.to_thread(wait_stored, master, other[:64])
+        assert (await a.prefill(other)).cached_tokens == 64
 
 
 async def test_killing_the_master_mid_run_fails_no_request(master):

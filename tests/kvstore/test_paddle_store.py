@@ -27,7 +27,8 @@ def _store_hit_is_a_miss(
     model: PaddleModel, prompt: list[int], cached: int, local_blocks: int = 0
 ) -> None:
     """`local_blocks`: node B's own cache holds only that many blocks (0: 64 MiB), and loads
-    the rest of the prompt's blocks into scratch slots."""
+    the rest of the prompt's blocks into scratch slots; then it computes another prompt, whose
+    blocks past its slots it writes to scratch slots and puts, and A loads them all."""
 
     async def main() -> None:
         with running_master() as master:
@@ -57,7 +58,15 @@ def _store_hit_is_a_miss(
                 assert kv_hit is not None and kv_miss is not None
                 assert np.array_equal(kv_hit[0], kv_miss[0])
                 assert np.array_equal(kv_hit[1], kv_miss[1])
-                if local_blocks:
+                if local_blocks:  # B computes another: what its slots do not take goes to
+                    other = ids(9, 170)  # scratch slots (7 of its 10 blocks), put from there
+                    assert (await b.prefill(other)).cached_tokens == 0
+                    await asyncio.to_thread(wait_stored, master, other, model)
+                    hit, miss, kv_hit, kv_miss = await both(a, off, other, **ALL, return_kv=True)
+                    assert hit.cached_tokens == 160  # every block of it, loaded by A
+                    same(hit, miss, bitwise=True)
+                    assert kv_hit is not None and kv_miss is not None
+                    assert np.array_equal(kv_hit[0], kv_miss[0])
                     return
                 last = await b.prefill(prompt[:97], embed="last", prompt_logprobs=True)
                 want = await off.prefill(prompt[:97], embed="last", prompt_logprobs=True)

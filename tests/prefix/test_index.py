@@ -239,3 +239,26 @@ def test_the_written_blocks_hashes_travel_only_to_workers_with_a_store():
         assert list(np.frombuffer(columns[3], "<i4")) == [0, 1]  # written either way
         expected = first.hashes[:2] if store_keys else []
         assert list(np.frombuffer(columns[5], "<u8")) == expected
+
+
+def test_with_a_store_blocks_computed_past_the_slots_travel_as_tails():
+    """A chunk's full blocks that no slot takes (the prompt is longer than the cache, or every
+    slot is pinned) are named with the batch, so that the worker's store can put them."""
+    for store_keys in (True, False):
+        cache = PrefixCache(groups(1, 3), B, store_keys=store_keys)
+        slots = groups(1, 3)
+        long = request(1, list(range(22)), cache)  # 5 full blocks, 3 slots
+        _, columns, _ = run(cache, slots, [long])  # (its pins are kept: every slot pinned)
+        assert list(np.frombuffer(columns[3], "<i4")) == [0, 1, 2]
+        assert list(np.frombuffer(columns[4], "<i4")) == [0]  # its writes hold blocks 0..2
+        tails = long.hashes[3:] if store_keys else []
+        assert list(np.frombuffer(columns[6], "<i4")) == ([0, 2] if store_keys else [])
+        assert list(np.frombuffer(columns[7], "<u8")) == tails  # blocks 3 and 4
+        other = request(2, list(range(100, 110)), cache)  # 2 full blocks, no slot free
+        _, columns, _ = run(cache, slots, [other])
+        if not store_keys:
+            assert columns is None  # nothing read, written, or to put
+            continue
+        assert list(np.frombuffer(columns[2], "<i4")) == [0, 0]  # no write
+        assert list(np.frombuffer(columns[6], "<i4")) == [0, 2]
+        assert list(np.frombuffer(columns[7], "<u8")) == other.hashes

@@ -226,6 +226,41 @@ def test_lying_batch_columns_raise_protocol_error(fields: dict, match: str):
         msg.free_array()
 
 
+def _i32(*values: int) -> bytes:
+    return np.array(values, "<i4").tobytes()
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"tail_offsets": _i32(0, 2), "tail_hashes": b"\x01" * 8}, "tail offsets"),  # 2 named
+        ({"tail_offsets": _i32(0, 1), "tail_hashes": b"\x01" * 12}, "tail columns"),
+        ({"tail_offsets": _i32(0), "tail_hashes": b""}, "tail columns"),  # not n + 1
+        ({"tail_offsets": b"", "tail_hashes": b"\x01" * 8}, "tail columns"),
+        ({"tail_offsets": _i32(1, 1), "tail_hashes": b"\x01" * 8}, "tail offsets"),
+    ],
+)
+def test_lying_tail_columns_raise_protocol_error(fields: dict, match: str):
+    base = {
+        "batch_id": 1,
+        "request_ids": np.array([7], "<i8").tobytes(),
+        "offsets": _i32(0, 40),
+        "tokens": bytes(160),
+        "start_pos": _i32(0),
+        "flags": b"\x03",
+        **{"read_offsets": _i32(0, 0), "write_offsets": _i32(0, 0), "write_first": _i32(0)},
+    }
+    good = PrefillBatch(**base, tail_offsets=_i32(0, 2), tail_hashes=_i32(5, 0, 6, 0))
+    msg = protocol.decode_to_worker(protocol.encode(good))
+    assert isinstance(msg, PrefillBatch)
+    cols = msg.cache_arrays()
+    assert cols is not None and list(cols[6]) == [0, 2] and list(cols[7]) == [5, 6]
+    msg = protocol.decode_to_worker(protocol.encode(PrefillBatch(**{**base, **fields})))
+    assert isinstance(msg, PrefillBatch)
+    with pytest.raises(ProtocolError, match=match):
+        msg.cache_arrays()
+
+
 @FUZZ
 @given(
     frames=st.lists(
