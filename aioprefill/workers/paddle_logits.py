@@ -2,16 +2,17 @@
 target's logit) for rows of final-norm hidden states, their logits a vocabulary slice at a time.
 
 On the CPU the head multiplies `VOCAB_CHUNK` vocabulary rows at a time, and each slice's logits
-[rows, VOCAB_CHUNK] (16 MB at 512 rows) are reduced while they are in cache: argmax, top-k and the
+[rows, VOCAB_CHUNK] (32 MB at 1024 rows) are reduced while they are in cache: argmax, top-k and the
 target's logit read them, then they are shifted by the row's maximum and exponentiated in place and
 summed in float32 with NumPy's pairwise sum (relative error ~1e-7 over 8192 terms, against ~5e-5
 for a sequential float32 sum); the slices' sums join in float64 (`join`, the rule a tensor-parallel
-head joins its ranks with). Measured on an AMD EPYC Zen 5, 1 thread, SmolLM2's 49152 x 576 head:
-oneDNN's product ran at 188 GFLOP/s on 512 x 8192 slices against 127 on 128 x 49152 tiles (MKL: 102
-against 94), and the reduction took ~45 instead of ~110 us per row (a float64-accumulated sum of a
-shifted copy of the whole row). A device keeps one product over its vocabulary and sums there in
-float64. Every result is per row and the slices are fixed, so a row's result depends on its logits
-only (batch invariance), given products whose rows do not depend on the row count (`paddle_rows`).
+head joins its ranks with). Measured on an AMD EPYC Zen 5, 1 thread, SmolLM2's 49152 x 576 head
+(benchmarks/bench_head.py, CPU us per row, product and reduction): 330 on tiles of 1024 rows in
+slices of 8192 (oneDNN, 172 GFLOP/s overall), 363 on 512-row tiles, against 578 for the rule before
+(128-row tiles of whole rows, a float64-accumulated sum of a shifted copy); MKL 606 against ~680.
+A device keeps one product over its vocabulary and sums there in float64. Every result is per row
+and the slices are fixed, so a row's result depends on its logits only (batch invariance), given
+products whose rows do not depend on the row count (`paddle_rows`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ __all__ = ["HEAD_ROWS", "VOCAB_CHUNK", "HeadRows", "head_rows", "join"]
 
 # Prompt log-probabilities run the head on at most HEAD_ROWS rows at a time (default mode), each
 # tile against VOCAB_CHUNK vocabulary rows at a time on the CPU (benchmarks/bench_head.py).
-HEAD_ROWS = 512
+HEAD_ROWS = 1024
 VOCAB_CHUNK = 8192
 
 

@@ -10,7 +10,7 @@ on an AMD EPYC with 1 thread, from 16 on an Intel Xeon with 1 thread, but on tha
 threads the MLP's down projection moves rows at 63-128 rows against a 1,050-row product
 (benchmarks/results/mkl_rows.txt, hit_exact.txt). So the worker checks its own shapes with its own
 thread count: the last m rows of a 1,050-row product against an m-row product, m from 16 to 280
-(the head: 16-256 rows against 512, the tiles its prompt log-probabilities run in, on
+(the head: 16-512 rows against 1024, the tiles its prompt log-probabilities run in, on
 the CPU against one vocabulary slice, `paddle_logits`), on random inputs
 (kernels are chosen by shape, not values), and pads to the smallest of 16, 32, 64 rows above every
 count that moved. A sample, not a proof: row counts between or beyond those tried are not. Where
@@ -45,7 +45,7 @@ __all__ = ["checked_products", "row_floor"]
 _FLOORS = (16, 32, 64)  # the row counts a product is padded to, smallest that holds first
 _BIG = 1050  # rows of the reference product ...
 _SIZES = (16, 20, 24, 32, 40, 48, 56, 64, 100, 128, 280)  # ... whose last rows these compare
-_HEAD_SIZES = (16, 32, 64, 128, 256)  # the head's prompt-logprob tiles: 16..HEAD_ROWS rows
+_HEAD_SIZES = (16, 32, 64, 128, 256, 512)  # the head's prompt-logprob tiles: 16..HEAD_ROWS rows
 
 log = logging.getLogger("aioprefill.worker")
 
