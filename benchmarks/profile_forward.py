@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--batch", default="8x280", help="N prompts x L tokens")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--scores", action="store_true", help="ask for prompt logprobs")
+    parser.add_argument("--lengths", help="prompt lengths, comma-separated (instead of --batch)")
     args = parser.parse_args()
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
     from bench_paddle_model import make_batch
@@ -61,7 +62,8 @@ def main() -> None:
     timed(runner, "_project", "q/k/v projection")
     timed(paddle_runner, "attend", "attention")
     timed(runner, "_outputs", "head")
-    batch = make_batch([length] * n, np.random.default_rng(0), spec.vocab_size)
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [length] * n
+    n, batch = len(lengths), make_batch(lengths, np.random.default_rng(0), spec.vocab_size)
     if args.scores:
         batch = dataclasses.replace(
             batch, options=np.full(n, protocol.OPT_PROMPT_LOGPROBS, np.uint8)
@@ -75,8 +77,8 @@ def main() -> None:
     print(f"$ python benchmarks/profile_forward.py {' '.join(sys.argv[1:])}")
     print(f"{library_versions()}; uses oneDNN: {runner._mm.uses_onednn}")
     print(
-        f"{n}x{length}, {args.threads} thread(s): {total:.2f} CPU-s per forward, "
-        f"{n * length / total:.0f} tokens per CPU-second"
+        f"{args.lengths or args.batch}, {args.threads} thread(s): {total:.2f} CPU-s per forward, "
+        f"{sum(lengths) / total:.0f} tokens per CPU-second"
     )
     for part, t in [*spent.most_common(), ("rest", total * args.repeats - sum(spent.values()))]:
         print(f"  {part:28} {t / args.repeats:6.2f} s  {100 * t / args.repeats / total:5.1f}%")

@@ -8,13 +8,12 @@ final-norm hidden state. A chunked prompt carries what its next chunk needs (the
 hidden state for the next token's log-probability, the running sum for mean pooling), so its
 outputs equal the unchunked ones.
 
-The log-softmax is float64-accurate: logits are float32 (the product's precision), but their
-exponentials are summed with a float64 accumulator after shifting by the row maximum. Paddle's
-float32 CPU sum over 32000 logits lost up to ~5e-5; NumPy's float64-accumulated sum is ~1e-8
-from an exact one *and* faster (16 rows: ~0.5 ms vs ~1.2 ms; benchmarks/bench_outputs.py), so
-the CPU reads the logits zero-copy through DLPack and finishes in NumPy. A GPU keeps the logits
-on the device, sums in float64 there and moves only per-row results. Batch invariance: every
-reduction is per row; with `tile_rows` (deterministic) the head runs on fixed tiles.
+The log-sum-exp and the rest of each row's results come from `paddle_logits.head_rows`: on the
+CPU the head runs a slice of the vocabulary at a time and reduces each slice's logits while they
+are in cache (float32 exponentials summed pairwise, slices joined in float64: ~1e-7 from an exact
+sum); a GPU keeps the logits on the device, sums in float64 there and moves only per-row results.
+Batch invariance: every reduction is per row; with `tile_rows` (deterministic) the head runs on
+fixed tiles.
 """
 
 from __future__ import annotations
@@ -26,15 +25,13 @@ import numpy as np
 import paddle
 
 from aioprefill import protocol
+from aioprefill.workers.paddle_logits import HEAD_ROWS, HeadRows, head_rows
 from aioprefill.workers.paddle_norm import RmsNorm
 from aioprefill.workers.paddle_shard import Shard
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 __all__ = ["Cached", "OutputHead", "Prefixes", "host"]
 
-# Prompt log-probabilities: the head over at most this many rows at a time (not deterministic):
-# 128 rows of SmolLM2's logits (25 MB) stay in cache; 2048 rows took 2.04 s vs 2.51 s in 512s.
-_MAX_ROWS = 128
 _EMBED = protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN
 
 
@@ -49,18 +46,6 @@ class Cached(NamedTuple):
 
 
 Prefixes = dict[int, Cached]  # by batch index
-
-
-class _Rows(NamedTuple):
-    """Per-row results of the head: argmax id int64, its logit, log-sum-exp (both float64),
-    top-k logits float32 / ids int32 [rows, kmax] best first, target logits float64 or None."""
-
-    ids: np.ndarray
-    best: np.ndarray
-    lse: np.ndarray
-    top_vals: np.ndarray
-    top_ids: np.ndarray
-    picked: np.ndarray | None
 
 
 def host(t: paddle.Tensor) -> np.ndarray:
@@ -212,7 +197,7 @@ class OutputHead:
             if not batch.is_last[i]:
                 self._carry[rids[i]] = x[b - 1 : b].clone()
             sizes.append((bool(wants_top[i]), rows, int(top_k[i]), kept))
-        done: dict[bool, _Rows] = {}
+        done: dict[bool, HeadRows] = {}
         for top, (parts, targets) in groups.items():
             if parts:
                 h = paddle.concat(parts) if len(parts) > 1 else parts[0]
@@ -276,13 +261,13 @@ class OutputHead:
 
     def _rows(
         self, h: paddle.Tensor, kmax: int, targets: np.ndarray | None = None
-    ) -> tuple[np.ndarray | None, _Rows]:
+    ) -> tuple[np.ndarray | None, HeadRows]:
         """Rows `h` [rows, hidden] through the final norm and the head, tile by tile: the
         final-norm rows (float32 [rows, hidden]; None with `targets`, which never need them)
         and the head's per-row results."""
         rows = h.shape[0]
         floor = self._min_rows if targets is not None else 1  # prompt logprobs; last rows: as many
-        tile = self._tile or max(min(rows, _MAX_ROWS), floor)
+        tile = self._tile or max(min(rows, HEAD_ROWS), floor)
         padded = -(-rows // tile) * tile
         if padded > rows:  # fixed tiles: zero rows, ignored
             h = paddle.concat([h, paddle.zeros([padded - rows, h.shape[1]], dtype=h.dtype)])
@@ -291,60 +276,19 @@ class OutputHead:
         normed, parts = [], []
         for lo in range(0, padded, tile):
             hn = self._rms_norm(h[lo : lo + tile], self._norm, self._eps)
-            logits = self._product(hn, self._lm_head).astype("float32")
             t = None if targets is None else targets[lo : lo + tile]
-            if self._shard is None:
-                parts.append(_log_softmax_rows(logits, kmax, t))
-            else:  # parallel: a vocabulary slice per rank
-                parts.append(self._shard.head_rows(logits, kmax, t, _log_softmax_rows))
+            v0 = 0 if self._shard is None else self._shard.vocab_start
+            got = head_rows(hn, self._lm_head, self._product, kmax, t, v0=v0)
+            # parallel: this rank's vocabulary slice, joined with the other ranks'
+            parts.append(got if self._shard is None else self._shard.head_rows(got))
             if targets is None:
                 normed.append(host(hn).astype(np.float32, copy=True))
         joined = [
             None if p[0] is None else np.concatenate(p)[:rows] for p in zip(*parts, strict=True)
         ]
         h_out = np.concatenate(normed)[:rows] if normed else None
-        return h_out, _Rows(*joined)  # type: ignore[arg-type]
+        return h_out, HeadRows(*joined)  # type: ignore[arg-type]
 
 
 def _matmul_t(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
     return paddle.matmul(x, w, transpose_y=True)
-
-
-def _log_softmax_rows(logits: paddle.Tensor, kmax: int, targets: np.ndarray | None) -> _Rows:
-    """`_Rows` of float32 logits [rows, vocab] (top-k ties: lower id first on the CPU)."""
-    if logits.place.is_cpu_place():
-        lg: np.ndarray = np.from_dlpack(logits)
-    else:  # on the device: float64 sum there, only per-row numbers come back
-        top_t = paddle.max(logits, axis=-1, keepdim=True)
-        total = paddle.exp(logits - top_t).astype("float64").sum(axis=-1)
-        lse: np.ndarray = top_t.squeeze(-1).astype("float64").numpy() + np.log(total.numpy())
-        arg = paddle.argmax(logits, axis=-1).numpy().astype(np.int64)
-        best = top_t.squeeze(-1).numpy().astype(np.float64)
-        vals = np.empty((len(lse), 0), np.float32)
-        tops = np.empty((len(lse), 0), np.int32)
-        if kmax:
-            v, i = paddle.topk(logits, kmax, axis=-1)
-            vals, tops = v.numpy(), i.numpy().astype(np.int32)
-        picked = None
-        if targets is not None:
-            tt = paddle.to_tensor(targets.reshape(-1, 1))
-            picked = paddle.take_along_axis(logits, tt, axis=-1).squeeze(-1).numpy()
-            picked = picked.astype(np.float64)
-        return _Rows(arg, best, lse, vals, tops, picked)
-    arg = np.argmax(lg, axis=-1)
-    best = np.take_along_axis(lg, arg[:, None], axis=-1)[:, 0]
-    # exp(l - max) is in (0, 1]; summed with a float64 accumulator (see the module docstring).
-    lse = best.astype(np.float64) + np.log(np.exp(lg - best[:, None]).sum(-1, dtype=np.float64))
-    vals, tops = np.empty((len(lg), 0), np.float32), np.empty((len(lg), 0), np.int32)
-    if kmax == 1:  # the argmax: its first maximum is the lowest id, as the tie rule below
-        tops, vals = arg[:, None].astype(np.int32), lg[np.arange(len(lg)), arg][:, None]
-    elif kmax:
-        part = np.argpartition(-lg, kmax - 1, axis=-1)[:, :kmax]
-        pv = np.take_along_axis(lg, part, axis=-1)
-        order = np.lexsort((part, -pv), axis=-1)
-        tops = np.take_along_axis(part, order, axis=-1).astype(np.int32)
-        vals = np.take_along_axis(pv, order, axis=-1)
-    picked = None
-    if targets is not None:
-        picked = np.take_along_axis(lg, targets[:, None], axis=-1)[:, 0].astype(np.float64)
-    return _Rows(arg.astype(np.int64), best.astype(np.float64), lse, vals, tops, picked)

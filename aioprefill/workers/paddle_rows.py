@@ -10,7 +10,8 @@ on an AMD EPYC with 1 thread, from 16 on an Intel Xeon with 1 thread, but on tha
 threads the MLP's down projection moves rows at 63-128 rows against a 1,050-row product
 (benchmarks/results/mkl_rows.txt, hit_exact.txt). So the worker checks its own shapes with its own
 thread count: the last m rows of a 1,050-row product against an m-row product, m from 16 to 280
-(the head: 16-64 rows against 128, the tiles its prompt log-probabilities run in), on random inputs
+(the head: 16-512 rows against 1024, the tiles its prompt log-probabilities run in, on
+the CPU against one vocabulary slice, `paddle_logits`), on random inputs
 (kernels are chosen by shape, not values), and pads to the smallest of 16, 32, 64 rows above every
 count that moved. A sample, not a proof: row counts between or beyond those tried are not. Where
 MKL's rows move at 64 or more and MKL is only the default (`AIOPREFILL_CPU_GEMM` unset), the worker
@@ -36,6 +37,7 @@ import paddle
 
 from aioprefill.workers.paddle_env import CPU_GEMM_ENV
 from aioprefill.workers.paddle_gemm import Products
+from aioprefill.workers.paddle_logits import HEAD_ROWS, VOCAB_CHUNK
 from aioprefill.workers.paddle_weights import Layer
 
 __all__ = ["checked_products", "row_floor"]
@@ -43,7 +45,7 @@ __all__ = ["checked_products", "row_floor"]
 _FLOORS = (16, 32, 64)  # the row counts a product is padded to, smallest that holds first
 _BIG = 1050  # rows of the reference product ...
 _SIZES = (16, 20, 24, 32, 40, 48, 56, 64, 100, 128, 280)  # ... whose last rows these compare
-_HEAD, _HEAD_SIZES = 128, (16, 32, 64)  # the head's prompt-logprob tiles: 16..128 rows
+_HEAD_SIZES = (16, 32, 64, 128, 256, 512)  # the head's prompt-logprob tiles: 16..HEAD_ROWS rows
 
 log = logging.getLogger("aioprefill.worker")
 
@@ -62,7 +64,8 @@ def row_floor(
         w = getattr(layer, name, None)
         if w is not None:  # None: a mixture of experts
             checks.append((name, mm.linear, w, w.shape[1], _SIZES, _BIG))
-    checks.append(("head", mm.product, lm_head, lm_head.shape[1], _HEAD_SIZES, _HEAD))
+    head = lm_head[:VOCAB_CHUNK] if lm_head.place.is_cpu_place() else lm_head  # as head_rows
+    checks.append(("head", mm.product, head, lm_head.shape[1], _HEAD_SIZES, HEAD_ROWS))
     rng = np.random.default_rng(0)
     moved: dict[str, list[int]] = {}
     for name, product, w, k, counts, big in checks:

@@ -29,7 +29,6 @@ and model-level tests import this module (it imports paddle).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import paddle
@@ -38,6 +37,7 @@ from aioprefill.models import PaddleModel
 from aioprefill.parallel import ParallelMode
 from aioprefill.workers.collectives import PaddleGroup
 from aioprefill.workers.kv_writer import ALONE, KVShare
+from aioprefill.workers.paddle_logits import HeadRows, join
 from aioprefill.workers.runner import ForwardBatch
 
 __all__ = ["Shard", "idle_batch"]
@@ -141,47 +141,29 @@ class Shard:
         assert self.group is not None
         return self.group.all_reduce(x)
 
-    def head_rows(
-        self,
-        logits: paddle.Tensor,
-        kmax: int,
-        targets: np.ndarray | None,
-        rows_of: Callable[[paddle.Tensor, int, np.ndarray | None], Any],
-    ) -> Any:
-        """The head's per-row results (`paddle_head._Rows`: argmax id, its logit, log-sum-exp,
-        top-k, target logits) over the whole vocabulary, from this rank's logits [rows, V/tp]:
-        `rows_of` runs on the local slice, then one all_gather of every rank's candidates
-        joins them. The argmax is the lowest id among the ranks holding the max (as over the
-        whole row); the log-sum-exp is max + log(sum_r exp(lse_r - max)); top-k ties keep the
-        lower id; a target's logit comes from the rank that holds it."""
+    def head_rows(self, mine: HeadRows) -> HeadRows:
+        """The head's per-row results over the whole vocabulary from this rank's, over its slice
+        (`paddle_logits.head_rows` with v0 = `vocab_start`: ids global, -inf for a target outside
+        the slice): one all_gather of every rank's candidates, joined as the slices of one row
+        are (`paddle_logits.join`)."""
         assert self.group is not None
-        v0, width = self.vocab_start, int(logits.shape[1])
-        inside = None
-        if targets is not None:
-            inside = (targets >= v0) & (targets < v0 + width)
-            targets = np.where(inside, targets - v0, 0)
-        mine = rows_of(logits, kmax, targets)
-        picked = (
-            np.zeros(len(mine.ids)) if inside is None else np.where(inside, mine.picked, -np.inf)
-        )
         k = mine.top_vals.shape[1]
-        columns = [mine.ids + v0, mine.best, mine.lse, picked]
-        packed = np.column_stack([*columns, mine.top_vals, mine.top_ids + v0]).astype(np.float64)
+        picked = np.zeros(len(mine.ids)) if mine.picked is None else mine.picked
+        columns = [mine.ids, mine.best, mine.lse, picked]
+        packed = np.column_stack([*columns, mine.top_vals, mine.top_ids]).astype(np.float64)
         every = self.group.all_gather(paddle.to_tensor(packed)).numpy()  # [tp, rows, 4 + 2k]
-        best = every[..., 1].max(axis=0)
-        winner = np.argmax(every[..., 1] == best, axis=0)  # first rank: the lowest id
-        rows = np.arange(every.shape[1])
-        lse = best + np.log(np.exp(every[..., 2] - best).sum(axis=0))
-        vals = every[..., 4 : 4 + k].transpose(1, 0, 2).reshape(len(rows), -1)
-        ids = every[..., 4 + k :].transpose(1, 0, 2).reshape(len(rows), -1)
-        order = np.lexsort((ids, -vals), axis=-1)[:, :k]
-        return type(mine)(
-            every[winner, rows, 0].astype(np.int64),
-            best,
-            lse,
-            np.take_along_axis(vals, order, axis=-1).astype(np.float32),
-            np.take_along_axis(ids, order, axis=-1).astype(np.int32),
-            None if inside is None else every[..., 3].max(axis=0),
+        return join(
+            [
+                HeadRows(
+                    r[:, 0].astype(np.int64),
+                    r[:, 1],
+                    r[:, 2],
+                    r[:, 4 : 4 + k].astype(np.float32),
+                    r[:, 4 + k :].astype(np.int32),
+                    None if mine.picked is None else r[:, 3],
+                )
+                for r in every
+            ]
         )
 
 
