@@ -31,4 +31,3 @@ def test_no_test_module_creates_the_reference_venv():
     assert found == []
     # the check sees such a call
     assert _calls_ensure(ast.parse("from tests import refvenv\nrefvenv.ensure()\n"))
-
