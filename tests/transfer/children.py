@@ -2,7 +2,9 @@
 params (no Engine), and a prefill engine whose exports another process pulls.
 
     python -m tests.transfer.children pull OUT.npy      params JSON on stdin; saves [K, V]
-    python -m tests.transfer.children loop              pulls until killed ("pulling" once)
+    python -m tests.transfer.children loop              "ready" once imported, then params JSON
+                                                        on stdin; pulls until killed ("pulling"
+                                                        after the first pull)
     python -m tests.transfer.children serve             a SimModel engine: prints params, waits
 """
 
@@ -26,6 +28,7 @@ def pull(out: str) -> None:
 def loop() -> None:
     from aioprefill.transfer import pull_kv
 
+    print("ready", flush=True)
     params = json.loads(sys.stdin.readline())
     pull_kv(params)
     print("pulling", flush=True)

@@ -144,8 +144,10 @@ def test_a_hung_or_dead_prefill_engine_fails_the_pull_within_the_timeout():
 
 @pytest.mark.asyncio
 async def test_a_decode_process_killed_mid_pull_leaves_nothing_once_the_export_expires():
-    async with Engine(transfer_config(ttl=3.0)) as engine:
-        r = await engine.prefill(list(range(1, 200)), return_kv=True)
+    # The export's TTL runs from the prefill: the child's first pull (its transfer engine's start
+    # and handshake) took 4.6 s on a loaded 2-core machine, past a 3 s TTL. So the child
+    # imports before the export exists, and the TTL is 8 s.
+    async with Engine(transfer_config(ttl=8.0)) as engine:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -157,6 +159,9 @@ async def test_a_decode_process_killed_mid_pull_leaves_nothing_once_the_export_e
             stderr=asyncio.subprocess.PIPE,
         )
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line == b"ready\n", (await proc.stderr.read()).decode()[-3000:]
+        r = await engine.prefill(list(range(1, 200)), return_kv=True)
         proc.stdin.write(json.dumps(r.kv.transfer_params()).encode() + b"\n")
         await proc.stdin.drain()
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
@@ -165,7 +170,7 @@ async def test_a_decode_process_killed_mid_pull_leaves_nothing_once_the_export_e
         proc.kill()  # in the middle of some pull
         await proc.wait()
         assert registered(engine) == 1
-        await wait_for(lambda: r.kv.closed, timeout=8.0)
+        await wait_for(lambda: r.kv.closed, timeout=15.0)
         assert registered(engine) == 0
         # the kept segment is the ledger's, as for any closed export; the engine removes it
         assert engine._kv.used_bytes == engine._kv.pooled_bytes
