@@ -20,7 +20,7 @@ from aioprefill import (
 )
 from aioprefill.workers.sim import expected_logprob, expected_token
 from tests.conftest import own_segments
-from tests.waits import until_sent
+from tests.reliability.util import until_sent
 
 pytestmark = pytest.mark.asyncio
 

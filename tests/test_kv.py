@@ -23,8 +23,7 @@ from aioprefill.kv import SIM_KV_LAYOUT
 from aioprefill.shm.segments import cleanup_stale_segments, owner_pid
 from aioprefill.workers.sim import sim_kv
 from tests.conftest import own_segments
-from tests.reliability.util import sim, wait_dead
-from tests.waits import until_sent
+from tests.reliability.util import sim, until_sent, wait_dead
 
 SHM = Path("/dev/shm")
 ROOT = Path(__file__).parents[1]

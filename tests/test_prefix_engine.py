@@ -21,7 +21,7 @@ from aioprefill.workers.sim import (
     sim_prompt_top_k,
     sim_top_k,
 )
-from tests.waits import until_sent
+from tests.reliability.util import until_sent
 
 pytestmark = pytest.mark.asyncio
 

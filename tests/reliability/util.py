@@ -42,6 +42,18 @@ async def until(predicate: Callable[[], bool], timeout: float = 10.0, what: str 
         await asyncio.sleep(0.002)
 
 
+async def until_sent(engine: Engine, timeout: float = 10.0) -> None:
+    """Until every request submitted so far has left the queue for a worker: for tests that act
+    while a forward runs (queue behind it, cancel during it), where a fixed sleep races a loaded
+    2-core CI machine's event loop (0.13 s stalls seen)."""
+
+    def sent() -> bool:
+        stats = engine.stats()
+        return bool(stats.in_flight and not stats.pending)
+
+    await until(sent, timeout, "every submitted request sent")
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` runs (a zombie nobody reaped yet counts as dead)."""
     try:
