@@ -44,15 +44,14 @@ def attend(
     *,
     keep: bool,
     tile: int,
-    pad: bool,
 ) -> paddle.Tensor:
     """Attention output `[heads, end - begin, head_dim]` for rows `begin:end` of the batch.
 
     `q` is `[kv_heads, group, rows, head_dim]` (pre-scaled by head_dim^-0.5; query head
     `g*group + i` reads KV head `g`, as HF's repeat_kv), `k` and `v` are `[kv_heads, rows,
     head_dim]`. The sequence's earlier chunks come from `cache`; with `keep` its keys and values
-    so far are stored back for the next chunk. Queries run in tiles of `tile` absolute positions
-    (`_aligned`; `pad`: zero-padded to whole tiles), so where a chunk starts changes no row.
+    so far are stored back for the next chunk. Queries run in tiles of `tile` absolute positions,
+    zero-padded to whole tiles (`_aligned`), so where a chunk starts changes no row.
     """
     length = end - begin
     keys, values = k[:, begin:end], v[:, begin:end]
@@ -64,7 +63,7 @@ def attend(
         # Copies, so the batch-wide tensors these are sliced from can be freed.
         cache.keys[layer] = keys.clone() if past_keys is None else keys
         cache.values[layer] = values.clone() if past_values is None else values
-    return _aligned(q[:, :, begin:end], keys, values, keys.shape[1] - length, tile, pad)
+    return _aligned(q[:, :, begin:end], keys, values, keys.shape[1] - length, tile)
 
 
 def _aligned(
@@ -73,20 +72,17 @@ def _aligned(
     values: paddle.Tensor,
     past: int,
     tile: int,
-    pad: bool,
 ) -> paddle.Tensor:
     """Attention for queries at positions `past ...` (`q` [kv_heads, group, rows, dim]) over
     `keys`/`values` [kv_heads, past + rows, dim]: the queries of positions [t*tile, (t+1)*tile)
     run as one tile against keys [0, (t+1)*tile) (zero-padded past the last), with the causal
     mask on the diagonal square. A tile scores only the keys it can see (about half the work
-    of a long causal prompt). With `pad` (deterministic mode) a tile the chunk covers part of is
-    zero-padded to `tile` rows: every product's shape and a row's place in it depend only on
-    the row's absolute position, so a prompt computed whole, in chunks or after a cached prefix
-    gives the same bits (masked keys get probability exactly 0). Without it a tile has the
-    chunk's rows only, and a row's scores, softmax and weighted sum still run over the same
-    keys whatever its chunk (bitwise on SmolLM2 with MKL on an Intel Xeon, but not on an AMD
-    EPYC, where MKL's products move a row's bits with the tile's row count: the runner pads in
-    both modes)."""
+    of a long causal prompt). A tile the chunk covers part of is zero-padded to `tile` rows:
+    every product's shape and a row's place in it depend only on the row's absolute position,
+    so a prompt computed whole, in chunks or after a cached prefix gives the same bits (masked
+    keys get probability exactly 0). Both modes pad: the chunk's own rows alone were bitwise
+    on SmolLM2 with MKL on an Intel Xeon, but not on an AMD EPYC (Zen 5), where MKL's products
+    move a row's bits with the tile's row count."""
     kv_heads, group, rows, dim = q.shape
     heads, total = kv_heads * group, past + rows
     first, last = past // tile, (total - 1) // tile
@@ -100,19 +96,17 @@ def _aligned(
         lo, hi = t * tile, (t + 1) * tile
         qa, qb = max(lo, past), min(hi, total)
         qt = q[:, :, qa - past : qb - past]
-        # the tile's query rows [a, b) of [lo, hi): all of them, or the chunk's only
-        a, b = (0, tile) if pad else (qa - lo, qb - lo)
-        if pad and qb - qa < tile:
+        partial = qb - qa < tile
+        if partial:  # zero rows for the tile's positions outside the chunk
             parts = [qt]
             if qa > lo:
                 parts.insert(0, paddle.zeros([kv_heads, group, qa - lo, dim], dtype=q.dtype))
             if qb < hi:
                 parts.append(paddle.zeros([kv_heads, group, hi - qb, dim], dtype=q.dtype))
             qt = paddle.concat(parts, axis=2)
-        n = b - a
-        qt = qt.reshape([kv_heads, group * n, dim])
-        out = _tile(qt, keys[:, :hi], values[:, :hi], heads, n, tile, a)
-        outs.append(out[:, qa - lo : qb - lo] if pad and qb - qa < tile else out)
+        qt = qt.reshape([kv_heads, group * tile, dim])
+        out = _tile(qt, keys[:, :hi], values[:, :hi], heads, tile, tile, 0)
+        outs.append(out[:, qa - lo : qb - lo] if partial else out)
     return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)
 
 
