@@ -63,6 +63,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache_bytes: int = 0
     block_tokens: int = 16
     kv_store: KVStoreOptions | None = None  # the cache's second tier (aioprefill.kvstore)
+    # The engine's AIOPREFILL_* variables: a forkserver keeps the environment of its first engine
+    env: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 # ---- engine -> worker ---------------------------------------------------------------------

@@ -89,6 +89,19 @@ async def test_weights_file_loads_and_bad_files_fail_the_start(tmp_path: Path):
         await run(small(weights=str(bad)), batch)
 
 
+@pytest.mark.asyncio
+async def test_workers_take_this_engines_product_setting_not_the_forkservers(monkeypatch):
+    """The forkserver keeps the environment of the engine that started it: each engine's
+    workers must still read this engine's AIOPREFILL_CPU_GEMM (a bad one: they refuse)."""
+    monkeypatch.delenv("AIOPREFILL_CPU_GEMM", raising=False)
+    assert len(await run(small(), [[1, 2, 3]])) == 1  # the forkserver runs from here on
+    monkeypatch.setenv("AIOPREFILL_CPU_GEMM", "openblas")
+    with pytest.raises(WorkerStartFailed, match="AIOPREFILL_CPU_GEMM='openblas'"):
+        await run(small(), [[1, 2, 3]])
+    monkeypatch.delenv("AIOPREFILL_CPU_GEMM")
+    assert len(await run(small(), [[1, 2, 3]])) == 1
+
+
 def test_paddle_stays_out_of_the_engine_process():
     """Run an engine in a fresh interpreter: paddle must load only in the workers."""
     code = textwrap.dedent(

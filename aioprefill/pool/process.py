@@ -27,7 +27,7 @@ from aioprefill.parallel import ParallelInfo
 from aioprefill.pool.main_guard import missing_guard_hint, refuse_while_bootstrapping
 from aioprefill.protocol import Ready, StartFailed, WorkerSpec
 from aioprefill.shm.channel import Channel
-from aioprefill.workers.main import worker_main
+from aioprefill.workers.main import WORKER_ENV_PREFIX, worker_main
 
 __all__ = ["WorkerHandle", "set_once", "start_method_for"]
 
@@ -100,6 +100,7 @@ class WorkerHandle:
             prefix_cache_bytes=config.prefix_cache_bytes,
             block_tokens=config.prefix_block_tokens,
             kv_store=config.kv_store_options if config.kv_store else None,
+            env={k: v for k, v in os.environ.items() if k.startswith(WORKER_ENV_PREFIX)},
         )
         self._method = start_method_for(config)
 

@@ -106,11 +106,25 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+WORKER_ENV_PREFIX = "AIOPREFILL_"  # the variables a worker takes from its engine (WorkerSpec.env)
+
+
+def _adopt_engine_env(env: dict[str, str]) -> None:
+    """Set the engine's AIOPREFILL_* variables here, dropping others: a forkserver's children
+    inherit the environment the forkserver started with (its first engine's), not this engine's
+    (measured: a second engine with another `AIOPREFILL_CPU_GEMM` ran the first one's products)."""
+    for name in [name for name in os.environ if name.startswith(WORKER_ENV_PREFIX)]:
+        if name not in env:
+            del os.environ[name]
+    os.environ.update(env)
+
+
 def worker_main(spec_bytes: bytes, to_fds: tuple[int, int], from_fds: tuple[int, int]) -> None:
     """Entry point of a worker process (the target of `multiprocessing.Process`)."""
     started_ns = time.monotonic_ns()
     spec = protocol.decode_worker_spec(spec_bytes)
     _set_process_name(f"aioprefill-w{spec.worker}")
+    _adopt_engine_env(spec.env)
     # Ctrl-C in the terminal reaches the whole process group: let the engine decide.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
