@@ -284,7 +284,7 @@ class PaddleRunner:
         prefix = (
             None if plan is None or self._store is None else PrefixForward(self._store, plan, batch)
         )
-        att = functools.partial(attend, tile=_ATTN_TILE)
+        att = functools.partial(attend, tile=_ATTN_TILE, mm=self._mm)
         bounds = list(itertools.pairwise(offsets.tolist()))
         exports = self._exports = open_writers(batch, kv_layout(spec), self._kv_share)
         eps, rms_norm = spec.rms_norm_eps, self._rms_norm

@@ -46,14 +46,37 @@ def test_linear_and_product_match_float64(rows, n, k):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_project_matches_paddle_matmul_heads_major():
+@pytest.mark.parametrize("rows", [37, 256, 600])  # one block; exactly one; 256 + 344 (joined)
+def test_project_matches_float64_heads_major(rows):
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((37, 96)).astype(np.float32)
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
     w = (rng.standard_normal((5, 96, 16)) / 10).astype(np.float32)
     got = _onednn().project(paddle.to_tensor(x), paddle.to_tensor(w))
     want = np.einsum("rk,hkd->hrd", x.astype(np.float64), w.astype(np.float64))
-    assert got.shape == [5, 37, 16]
+    assert got.shape == [5, rows, 16]
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["onednn", "paddle"])
+def test_per_head_reads_the_first_n_rows_in_place(backend, monkeypatch):
+    # Attention's products: scores against the first n keys of a longer (zero-padded) buffer,
+    # then the probabilities times the same values, per KV head.
+    if backend == "paddle":
+        monkeypatch.setenv(paddle_env.CPU_GEMM_ENV, "mkl")
+    products = _onednn() if backend == "onednn" else Products("cpu", 1, None)
+    rng = np.random.default_rng(6)
+    heads, m, total, n, d = 3, 24, 40, 29, 16
+    q = rng.standard_normal((heads, m, d)).astype(np.float32)
+    kv = rng.standard_normal((heads, total, d)).astype(np.float32)
+    p = rng.random((heads, m, n)).astype(np.float32)
+    scores = products.per_head(paddle.to_tensor(q), paddle.to_tensor(kv), n, transpose_b=True)
+    want = np.einsum("hmd,hnd->hmn", q.astype(np.float64), kv[:, :n].astype(np.float64))
+    assert scores.shape == [heads, m, n]
+    np.testing.assert_allclose(scores.numpy(), want, rtol=1e-5, atol=1e-5)
+    out = products.per_head(paddle.to_tensor(p), paddle.to_tensor(kv), n, transpose_b=False)
+    want = np.einsum("hmn,hnd->hmd", p.astype(np.float64), kv[:, :n].astype(np.float64))
+    assert out.shape == [heads, m, d]
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_tiles_give_every_row_the_same_bits_wherever_it_sits():
