@@ -267,9 +267,14 @@ class OutputHead:
         and the head's per-row results."""
         rows = h.shape[0]
         floor = self._min_rows if targets is not None else 1  # prompt logprobs; last rows: as many
-        tile = self._tile or max(min(rows, HEAD_ROWS), floor)
-        padded = -(-rows // tile) * tile
-        if padded > rows:  # fixed tiles: zero rows, ignored
+        if self._tile:  # deterministic: fixed tiles
+            tile = self._tile
+            padded = -(-rows // tile) * tile
+        else:  # tiles of HEAD_ROWS, the last as long as it is, but at least `floor` rows (it
+            # was padded to HEAD_ROWS: 8 x 280 prompt logprobs ran 3,072 rows for 2,232)
+            tile, rest = HEAD_ROWS, rows % HEAD_ROWS
+            padded = rows + (floor - rest if 0 < rest < floor else 0)
+        if padded > rows:  # zero rows, ignored
             h = paddle.concat([h, paddle.zeros([padded - rows, h.shape[1]], dtype=h.dtype)])
             if targets is not None:
                 targets = np.concatenate([targets, np.zeros(padded - rows, dtype=np.int64)])

@@ -92,3 +92,33 @@ def test_repeating_a_batch_is_bitwise_identical() -> None:
     first, second = runner(SMALL).forward(batch), runner(SMALL).forward(batch)
     assert np.array_equal(first.tokens, second.tokens)
     assert np.array_equal(first.logprobs, second.logprobs)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_prompt_logprobs_past_one_head_tile_do_not_depend_on_batch_mates(deterministic) -> None:
+    # Prompt log-probabilities run the head in tiles of HEAD_ROWS rows, the last tile as long
+    # as the rows left (default mode): a prompt's rows land at other places of other tiles as
+    # its batch-mates change, and must not change by more than 1e-5 (bitwise: deterministic).
+    from dataclasses import replace
+
+    from aioprefill.protocol import OPT_PROMPT_LOGPROBS
+    from aioprefill.workers.paddle_logits import HEAD_ROWS
+
+    spec = small(deterministic=deterministic)
+    run = runner(spec)
+    rng = np.random.default_rng(7)
+    probe = prompts(rng, [300], spec.vocab_size)[0]
+
+    def scores(batch_prompts: list[np.ndarray]) -> np.ndarray:
+        batch = make_batch(batch_prompts)
+        options = np.full(batch.size, OPT_PROMPT_LOGPROBS, dtype=np.uint8)
+        out = run.forward(replace(batch, options=options))
+        return out.prompt_logprobs[-(len(probe) - 1) :]  # the probe is last: its rows end it
+
+    alone = scores([probe])
+    for mates in ([HEAD_ROWS - 5], [HEAD_ROWS + 100], [700, 650], [2 * HEAD_ROWS - 290]):
+        got = scores([*prompts(rng, mates, spec.vocab_size), probe])
+        if deterministic:
+            assert np.array_equal(got, alone), mates
+        else:
+            assert np.abs(got - alone).max() <= 1e-5, mates
