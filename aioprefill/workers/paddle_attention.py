@@ -45,7 +45,7 @@ def attend(
     *,
     keep: bool,
     tile: int,
-    mm: Products | None = None,
+    mm: Products,
 ) -> paddle.Tensor:
     """Attention output `[heads, end - begin, head_dim]` for rows `begin:end` of the batch.
 
@@ -54,7 +54,7 @@ def attend(
     head_dim]`. The sequence's earlier chunks come from `cache`; with `keep` its keys and values
     so far are stored back for the next chunk. Queries run in tiles of `tile` absolute positions,
     zero-padded to whole tiles (`_aligned`), so where a chunk starts changes no row. `mm`: the
-    worker's products (oneDNN on a CPU: `Products.per_head`); None: Paddle's matmul.
+    worker's products (`Products.per_head`: oneDNN on a CPU that multiplies with it).
     """
     length = end - begin
     keys, values = k[:, begin:end], v[:, begin:end]
@@ -75,7 +75,7 @@ def _aligned(
     values: paddle.Tensor,
     past: int,
     tile: int,
-    mm: Products | None = None,
+    mm: Products,
 ) -> paddle.Tensor:
     """Attention for queries at positions `past ...` (`q` [kv_heads, group, rows, dim]) over
     `keys`/`values` [kv_heads, past + rows, dim]: the queries of positions [t*tile, (t+1)*tile)
@@ -121,7 +121,7 @@ def _tile(
     n: int,
     heads: int,
     rows: int,
-    mm: Products | None,
+    mm: Products,
 ) -> paddle.Tensor:
     """One query tile: `q` [kv_heads, group * rows, dim] against the first `n` of `keys`/`values`
     [kv_heads, >= n, dim], whose last `rows` positions (of those n) are the tile's: query row i
@@ -130,10 +130,6 @@ def _tile(
     weighs the values. On a CPU with oneDNN both run per KV head on the keys and values in place
     (`Products.per_head`): 1.3-1.6x Paddle's matmul on these shapes on an AMD Zen 5 (MKL's AVX2
     kernels there), e.g. 363 against 567 us for a tile over 320 keys, softmax included."""
-    if mm is None:
-        scores = paddle.matmul(q, keys[:, :n], transpose_y=True)
-        probs = causal_softmax_(scores, heads, rows, rows, 0)
-        return paddle.matmul(probs, values[:, :n]).reshape([heads, rows, keys.shape[-1]])
     scores = mm.per_head(q, keys, n, transpose_b=True)
     probs = causal_softmax_(scores, heads, rows, rows, 0)
     return mm.per_head(probs, values, n, transpose_b=False).reshape([heads, rows, keys.shape[-1]])

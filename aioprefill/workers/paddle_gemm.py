@@ -68,8 +68,9 @@ def _set_openmp_threads(threads: int) -> None:
 
 
 class Products:
-    """`linear` (x @ w.T), `project` (x times per-head weights) and `product` (x @ w.T, never
-    tiled) for one worker: oneDNN on a float32 CPU, else Paddle's `matmul`."""
+    """`linear` (x @ w.T), `project` (x times per-head weights), `product` (x @ w.T, never
+    tiled) and `per_head` (attention's) for one worker: oneDNN on a float32 CPU, else Paddle's
+    `matmul`."""
 
     def __init__(
         self, device: str, threads: int, tile_rows: int | None, gemm: str | None = None
