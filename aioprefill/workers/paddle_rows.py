@@ -58,12 +58,12 @@ def row_floor(
     Check = tuple[str, Callable[..., paddle.Tensor], paddle.Tensor, int, tuple[int, ...], int]
     checks: list[Check] = [
         ("qkv", mm.project, layer.qkv, layer.qkv.shape[1], _SIZES, _BIG),
-        ("o", mm.linear, layer.o, layer.o.shape[1], _SIZES, _BIG),
+        ("o", mm.linear, mm.prepare(layer.o), layer.o.shape[1], _SIZES, _BIG),
     ]
     for name in ("gate_up", "down"):
         w = getattr(layer, name, None)
         if w is not None:  # None: a mixture of experts
-            checks.append((name, mm.linear, w, w.shape[1], _SIZES, _BIG))
+            checks.append((name, mm.linear, mm.prepare(w), w.shape[1], _SIZES, _BIG))
     head = lm_head[:VOCAB_CHUNK] if lm_head.place.is_cpu_place() else lm_head  # as head_rows
     checks.append(("head", mm.product, head, lm_head.shape[1], _HEAD_SIZES, HEAD_ROWS))
     rng = np.random.default_rng(0)

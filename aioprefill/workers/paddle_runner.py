@@ -147,6 +147,8 @@ class PaddleRunner:
             if self._deterministic
             else checked_products(self.device, spec.num_threads, self._layers[0], weights.lm_head)
         )
+        for layer in self._layers:
+            layer.lay_out(self._mm.prepare)
         self._tiled = self._mm.tile_rows is not None
         tile = _HEAD_TILE_ROWS if self._tiled else None
         self._outputs = OutputHead(

@@ -24,6 +24,7 @@ Only worker processes and model-level tests import this module (it imports paddl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -87,7 +88,7 @@ class Layer:
         if spec.qk_norm:
             self.q_norm = t(w["q_norm"] * dim**-0.5)
             self.k_norm = t(w["k_norm"])
-        # The rest keep HF's [out, in] layout, multiplied with transpose_y (as fast on MKL).
+        # The rest keep HF's [out, in] layout until `lay_out` (the worker's products choose).
         self.o = t(w["o"])
         # parallel: a mixture of experts replaces the dense MLP (paddle_moe)
         self.moe = MoE(w, spec, t) if spec.num_experts else None
@@ -96,6 +97,14 @@ class Layer:
             self.down = t(w["down"])
         self.in_norm = t(w["in_norm"])
         self.post_norm = t(w["post_norm"])
+
+    def lay_out(self, prepare: Callable[[paddle.Tensor], paddle.Tensor]) -> None:
+        """The linear layers' weights as the worker's products take them (`Products.prepare`),
+        each replaced in turn (one extra weight's memory at a time)."""
+        self.o = prepare(self.o)
+        if self.moe is None:
+            self.gate_up = prepare(self.gate_up)
+            self.down = prepare(self.down)
 
 
 class DeviceWeights(NamedTuple):

@@ -40,7 +40,8 @@ def test_linear_and_product_match_float64(rows, n, k):
     x, w = _data(rows, n, k)
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     products = _onednn()
-    for fn in (products.linear, products.product):
+    linear = lambda x, w: products.linear(x, products.prepare(w))  # noqa: E731
+    for fn in (linear, products.product):
         got = fn(paddle.to_tensor(x), paddle.to_tensor(w))
         assert got.shape == [rows, n] and got.dtype == paddle.float32
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
@@ -85,13 +86,14 @@ def test_tiles_give_every_row_the_same_bits_wherever_it_sits():
     x, w = _data(4 * tile, 300, 64, seed=2)
     wh = (np.random.default_rng(3).standard_normal((3, 64, 16)) / 8).astype(np.float32)
     products = _onednn(tile)
-    full = products.linear(paddle.to_tensor(x), paddle.to_tensor(w)).numpy()
+    wp = products.prepare(paddle.to_tensor(w))
+    full = products.linear(paddle.to_tensor(x), wp).numpy()
     proj = products.project(paddle.to_tensor(x), paddle.to_tensor(wh)).numpy()
     row = x[5]
     for place in range(0, 4 * tile, 7):
         moved = np.roll(x, place - 5, axis=0)  # row 5 now sits at `place`
         assert np.array_equal(moved[place], row)
-        got = products.linear(paddle.to_tensor(moved), paddle.to_tensor(w)).numpy()
+        got = products.linear(paddle.to_tensor(moved), wp).numpy()
         assert np.array_equal(got[place], full[5])
         got_p = products.project(paddle.to_tensor(moved), paddle.to_tensor(wh)).numpy()
         assert np.array_equal(got_p[:, place], proj[:, 5])
@@ -101,10 +103,12 @@ def test_views_are_read_where_they_point():
     x, w = _data(40, 24, 32, seed=4)
     big = paddle.to_tensor(x)
     sliced = big[10:30]  # a view at an offset
-    transposed = paddle.to_tensor(np.ascontiguousarray(w.T)).transpose([1, 0])  # not contiguous
+    # the [in, out] layout `prepare` gives, as a view that is not contiguous
+    transposed = paddle.to_tensor(np.ascontiguousarray(w)).transpose([1, 0])
     assert not transposed.is_contiguous()
     got = _onednn().linear(sliced, transposed).numpy()
     np.testing.assert_allclose(got, x[10:30].astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+    assert _onednn().prepare(paddle.to_tensor(w)).shape == [32, 24]  # [in, out], contiguous
 
 
 def test_mkl_setting_keeps_paddles_matmul(monkeypatch):
@@ -112,7 +116,9 @@ def test_mkl_setting_keeps_paddles_matmul(monkeypatch):
     products = Products("cpu", 1, None)
     assert not products.uses_onednn
     x, w = _data(6, 10, 12, seed=5)
-    got = products.linear(paddle.to_tensor(x), paddle.to_tensor(w)).numpy()
+    w_t = paddle.to_tensor(w)
+    assert products.prepare(w_t) is w_t  # HF's layout, as it is
+    got = products.linear(paddle.to_tensor(x), w_t).numpy()
     want = paddle.matmul(paddle.to_tensor(x), paddle.to_tensor(w), transpose_y=True).numpy()
     assert np.array_equal(got, want)
     monkeypatch.setenv(paddle_env.CPU_GEMM_ENV, "openblas")
