@@ -105,9 +105,11 @@ def _check_kv_store(kind: object, options: object) -> None:
         f"must be aioprefill.KVStoreOptions(...), got {type(options).__name__}",
     )
     if kind is not None:  # InvalidConfig naming the extra (and libibverbs1) when missing
-        from aioprefill.kvstore.backend import load_store
+        from aioprefill.kvstore.backend import load_store, load_xxhash
 
         load_store()
+        if isinstance(options, KVStoreOptions) and options.secret is None:
+            load_xxhash()
 
 
 @dataclass(slots=True, kw_only=True)

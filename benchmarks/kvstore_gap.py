@@ -82,7 +82,7 @@ def analyse(trace, reqs: list[dict], logs: list[dict], block: int) -> None:
             for h in hashes:
                 wrote_at[h] = min(wrote_at.get(h, t), t)
         dropped.update(h for _, h in log["drops"])
-        for t, decision, chains, got, _, _ in log["asks"]:
+        for t, decision, chains, got, *_ in log["asks"]:
             for chain, g in zip(chains, got, strict=True):
                 for j, h in enumerate(chain):
                     asks.setdefault(h, []).append((t, decision, j, g))
@@ -133,6 +133,23 @@ def analyse(trace, reqs: list[dict], logs: list[dict], block: int) -> None:
     for log in logs:
         s = log["stats"]
         print("  worker:", {k: v for k, v in s.items() if v and not k.endswith("bytes")})
+    load_parts(logs)
+
+
+def load_parts(logs: list[dict]) -> None:
+    """Where a load call's time goes (`Loader.parts`), calls that found nothing apart."""
+    names = ("handoff", "store call", "checks", "wake back", "into slots", "rest", "in all")
+    for found in (False, True):
+        rows = [(a[4], a[6]) for log in logs for a in log["asks"]
+                if len(a) > 6 and len(a[6]) == 5 and (sum(a[3]) > 0) == found]  # fmt: skip
+        if not rows:
+            continue
+        cols = [[p[i] for _, p in rows] for i in range(5)]
+        cols += [[took - sum(p) for took, p in rows], [took for took, _ in rows]]
+        print(f"load calls that found {'some' if found else 'nothing'} ({len(rows)}), ms "
+              "median / mean:")  # fmt: skip
+        print("  " + ", ".join(f"{n} {np.median(c) * 1e3:.3f}/{np.mean(c) * 1e3:.3f}"
+                               for n, c in zip(names, cols, strict=True)))  # fmt: skip
 
 
 def main() -> None:

@@ -1,14 +1,19 @@
 """The one module that imports Mooncake's store client (`mooncake.store`, from the extra
-`aioprefill[transfer]`, the same wheel as the transfer engine), with an error that names the
-fix, and the store's error codes this package tells apart."""
+`aioprefill[transfer]`, the same wheel as the transfer engine) and `xxhash` (the values'
+checksum; both in the extra `aioprefill[kvstore]`), with an error that names the fix, and the
+store's error codes this package tells apart."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
+from aioprefill.errors import InvalidConfig
 from aioprefill.transfer.backend import import_mooncake
 
-__all__ = ["RPC_FAIL", "load_store", "store_is_down"]
+__all__ = ["RPC_FAIL", "load_store", "load_xxhash", "store_is_down"]
+
+KVSTORE_EXTRA_HINT = "pip install 'aioprefill[kvstore]' (xxhash and Mooncake's store client)"
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h) that this package tells apart.
 NO_SPACE = -200  # NO_AVAILABLE_HANDLE: the pool is full (the master evicts in the background)
@@ -30,3 +35,12 @@ def load_store() -> Any:
     package's one warning)."""
     store = import_mooncake("mooncake.store", "EngineConfig.kv_store: Mooncake's store client")
     return store.MooncakeDistributedStore
+
+
+def load_xxhash() -> Any:
+    """The `xxhash` module (XXH3: the checksum of values without `KVStoreOptions.secret`), or
+    InvalidConfig naming the extra."""
+    try:
+        return importlib.import_module("xxhash")
+    except ImportError as exc:
+        raise InvalidConfig(f"EngineConfig.kv_store: {exc}: {KVSTORE_EXTRA_HINT}") from exc

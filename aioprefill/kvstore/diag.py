@@ -1,6 +1,7 @@
 """`Diag`: a worker's store-tier event log for finding where store hits are lost, on only when
 `AIOPREFILL_STORE_DIAG` names a directory (benchmarks: `benchmarks/kvstore_gap.py` reads it). Each
-worker keeps, in memory, its lookups (asked, decided, found), its forwards' written blocks and
+worker keeps, in memory, its lookups (asked, decided, found, how long each part of a load call
+took), its forwards' written blocks and
 its completed or dropped puts (wall-clock times, comparable across the host's processes), and
 writes them to `<dir>/store-<pid>.json` when it stops. Off: every call is a no-op check."""
 
@@ -24,10 +25,11 @@ class Diag:
         self.drops: list[list[object]] = []
 
     def ask(self, decision: str, chains: Sequence[Sequence[int]], got: Sequence[int],
-            seconds: float, state: Sequence[float]) -> None:  # fmt: skip
-        self.asks.append(
-            [time.time(), decision, [list(c) for c in chains], list(got), seconds, list(state)]
-        )
+            seconds: float, state: Sequence[float],
+            parts: Sequence[float] = ()) -> None:  # fmt: skip
+        """One lookup; `parts`: a load call's seconds by part (`Loader.parts`)."""
+        self.asks.append([time.time(), decision, [list(c) for c in chains], list(got), seconds,
+                          list(state), list(parts)])  # fmt: skip
 
     def wrote(self, hashes: Sequence[int]) -> None:
         self.written.append([time.time(), [int(h) for h in hashes]])

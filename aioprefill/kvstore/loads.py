@@ -14,6 +14,7 @@ skipped until then), so a late answer never lands in memory that is in use.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -32,12 +33,14 @@ Chain = Sequence[tuple[int, np.ndarray]]
 
 
 class _Job:
-    __slots__ = ("chains", "done", "good")
+    __slots__ = ("chains", "done", "good", "times")
 
     def __init__(self, chains: list[Chain]) -> None:
         self.chains = chains
         self.done = threading.Event()
         self.good: list[int] = [0] * len(chains)
+        # perf_counter at: posted, taken by the thread, store call returned, checked, done
+        self.times = [time.perf_counter(), 0.0, 0.0, 0.0, 0.0]
 
 
 class Loader:
@@ -63,6 +66,9 @@ class Loader:
         self.cond = threading.Condition()
         self.closed = False
         self.thread = threading.Thread(target=self._run, name="kvstore-load", daemon=True)
+        # The last load's parts, seconds (`AIOPREFILL_STORE_DIAG` logs them): the handoff to
+        # the thread, the store call, the checks, the handoff back, the copies into slots.
+        self.parts: list[float] = []
 
     @property
     def capacity(self) -> int:
@@ -97,11 +103,14 @@ class Loader:
             s.load_timeouts += 1
             self.link.timed_out("batch_get_into")
             return [0] * len(chains)
+        woke = time.perf_counter()
         at, keep = 0, self.codec.payload_bytes
         for c, (chain, good) in enumerate(zip(cut, job.good, strict=True)):
             for i in range(good):
                 sink(c, i, self.slots[at + i][-keep:])
             at += len(chain)
+        t, end = job.times, time.perf_counter()
+        self.parts = [t[1] - t[0], t[2] - t[1], t[3] - t[2], woke - t[4], end - woke]
         total = sum(job.good)
         s.blocks_loaded += total
         s.load_bytes += total * self.codec.value_bytes
@@ -123,6 +132,7 @@ class Loader:
                     return
                 job, self.job = self.job, None
             assert job is not None
+            job.times[1] = time.perf_counter()
             try:
                 job.good = self._fetch(job)
             except Exception:
@@ -131,6 +141,7 @@ class Loader:
             with self.cond:
                 self.busy = False
                 self.cond.notify_all()
+            job.times[4] = time.perf_counter()
             job.done.set()
 
     def _fetch(self, job: _Job) -> list[int]:
@@ -142,10 +153,12 @@ class Loader:
             [base + i * self.stride for i in range(len(blocks))],
             [size] * len(blocks),
         )
+        job.times[2] = time.perf_counter()
         good, at = [], 0
         for chain in job.chains:
             good.append(self._good_prefix(chain, codes[at : at + len(chain)], at))
             at += len(chain)
+        job.times[3] = time.perf_counter()
         return good
 
     def _good_prefix(self, chain: Chain, codes: list[int], at: int) -> int:

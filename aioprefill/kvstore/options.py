@@ -79,8 +79,8 @@ class KVStoreOptions:
 
     Identity: `model_id` names the weights in store keys (default: a digest of the model spec
     and of sampled bytes of its weight files). `secret`: with bytes (>= 16), values carry a
-    keyed BLAKE2b MAC instead of a CRC32, so whoever can write to the store but lacks the
-    secret cannot make a node read a block it did not compute.
+    keyed BLAKE2b MAC instead of an XXH3 checksum, so whoever can write to the store but lacks
+    the secret cannot make a node read a block it did not compute.
     """
 
     master: str = "127.0.0.1:50051"

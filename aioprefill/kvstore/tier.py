@@ -139,7 +139,8 @@ class StoreTier:
             elif self.stats.loads == calls:
                 decision = "busy"
             took = time.perf_counter() - start
-            DIAG.ask(decision, _hashes(chains), got, took, self._state())
+            parts = self.loader.parts if decision in ("load", "probe") else []
+            DIAG.ask(decision, _hashes(chains), got, took, self._state(), parts)
         return got
 
     def _state(self) -> list[float]:

@@ -84,3 +84,12 @@ def test_missing_mooncake_names_the_extra_and_libibverbs(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails as if absent
     with pytest.raises(InvalidConfig, match=r"aioprefill\[transfer\].*libibverbs1"):
         EngineConfig(model=sim(), kv_store="mooncake")
+
+
+@needs_mooncake
+def test_missing_xxhash_names_the_extra_unless_a_secret_is_set(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # import fails as if absent
+    with pytest.raises(InvalidConfig, match=r"xxhash.*aioprefill\[kvstore\]"):
+        EngineConfig(model=sim(), kv_store="mooncake")
+    keyed = KVStoreOptions(secret=b"s" * 16)  # values carry a BLAKE2b MAC: no XXH3 needed
+    assert EngineConfig(model=sim(), kv_store="mooncake", kv_store_options=keyed).kv_store

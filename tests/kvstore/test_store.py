@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -78,8 +79,14 @@ def test_a_chain_stops_at_the_first_block_the_store_lacks(master, reader):
         # Evicted between the engine's plan and the read: removed by another client.
         assert writer.link.store.remove(IDENT.key(blocks.hashes[3]), True) == 0
         before = reader.stats.blocks_missing
+        start = time.perf_counter()
         assert blocks.load(reader)[0] == 3
+        took = time.perf_counter() - start
         assert reader.stats.blocks_missing == before + 1
+        # The call's parts (handoffs, store call, checks, copies: AIOPREFILL_STORE_DIAG logs
+        # them) are its own: five, none negative, within the call.
+        parts = reader.loader.parts
+        assert len(parts) == 5 and min(parts) >= 0 and sum(parts) <= took, parts
         never = Blocks(2, seed=3)
         assert never.load(reader)[0] == 0
     finally:

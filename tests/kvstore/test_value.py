@@ -1,11 +1,16 @@
 """A stored block's value (`kvstore.value`) round-trips, and every way a value can be wrong
 (short, long, foreign model or layout, another block, other tokens, a flipped
-bit, a CRC value on a node with a secret, a MAC forged without it) is refused, naming why."""
+bit, an XXH3 value on a node with a secret, a MAC forged without it, a CRC32 value of the
+format's first checksum kind) is refused, naming why."""
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import numpy as np
 import pytest
+import xxhash
 
 from aioprefill.kvstore.identity import StoreIdentity
 from aioprefill.kvstore.value import HEADER_BYTES, ValueCodec, ValueRefused
@@ -54,6 +59,13 @@ def _flip(value: memoryview, at: int) -> memoryview:
         (lambda v: _flip(v, 8), "magic"),  # version
         (lambda v: _flip(v, HEADER_BYTES + 4 * B + 100), "checksum"),  # payload
         (lambda v: _flip(v, HEADER_BYTES - 1), "checksum"),  # the checksum itself
+        (lambda v: _flip(v, len(v) - 1), "checksum"),  # the payload's last byte
+        (lambda v: _flip(v, 10), "checksum kind"),
+        (lambda v: _flip(v, 12), "layout"),  # block tokens
+        (lambda v: _flip(v, 16), "another model"),  # identity digest
+        (lambda v: _flip(v, 32), "block hash"),
+        (lambda v: _flip(v, 40), "layout"),  # payload bytes
+        (lambda v: _flip(v, HEADER_BYTES + 4 * B - 1), "token ids"),
     ],
 )
 def test_damaged_values_are_refused(mutate, why):
@@ -82,7 +94,27 @@ def test_other_blocks_models_and_layouts_are_refused():
         ValueCodec(IDENT.digest, B, P - 64).check(value[:-64], 0xABC, TOKENS)
 
 
-def test_a_secret_refuses_crc_values_and_macs_made_without_it():
+def test_the_unkeyed_checksum_is_xxh3_128_over_the_header_and_the_rest():
+    codec = ValueCodec(IDENT.digest, B, P)
+    value = encoded(codec)
+    assert struct.unpack_from("<H", value, 10)[0] == 3  # the checksum kind: XXH3
+    want = xxhash.xxh3_128(bytes(value[:48]) + bytes(value[HEADER_BYTES:])).digest()
+    assert bytes(value[48:HEADER_BYTES]) == want
+
+
+def test_a_crc32_value_of_the_first_checksum_kind_is_refused():
+    """What nodes before XXH3 wrote (kind 1, CRC32 in the checksum field's first 4 bytes), a
+    value otherwise right in every byte: refused by kind, so never trusted on a weaker sum."""
+    codec = ValueCodec(IDENT.digest, B, P)
+    value = memoryview(bytearray(encoded(codec)))
+    struct.pack_into("<H", value, 10, 1)
+    crc = zlib.crc32(value[HEADER_BYTES:], zlib.crc32(value[:48]))
+    value[48:HEADER_BYTES] = struct.pack("<I12x", crc)
+    with pytest.raises(ValueRefused, match="checksum kind 1, this node uses 3"):
+        codec.check(value, 0xABC, TOKENS)
+
+
+def test_a_secret_refuses_xxh3_values_and_macs_made_without_it():
     secret = b"s" * 32
     plain = ValueCodec(IDENT.digest, B, P)
     keyed = ValueCodec(IDENT.digest, B, P, secret)
