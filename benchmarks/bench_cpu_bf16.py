@@ -63,8 +63,8 @@ def main() -> None:
         return out
 
     def linear(x: Any, w: Any) -> Any:
-        """A linear layer as the runner laid its weight out (`Products.prepare`)."""
-        if not runner._mm.uses_onednn:  # HF's [out, in]
+        """A linear layer as the runner laid its weight out (`paddle_gemm.weights_in_out`)."""
+        if not runner._mm.in_out:  # HF's [out, in]
             return xwt(x, w)
         xb, wb = x.contiguous().astype("bfloat16"), bf16(w)  # [in, out]
         (m, k), n = x.shape, w.shape[1]

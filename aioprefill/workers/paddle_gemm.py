@@ -33,7 +33,7 @@ import paddle
 
 from aioprefill.workers.paddle_env import cpu_gemm, onednn_library, paddle_libs
 
-__all__ = ["Products"]
+__all__ = ["Products", "weights_in_out"]
 
 _FLOAT = 4  # bytes
 _PROJECT_ROWS = 256  # `project`'s row blocks by default: x's block stays in cache over the heads
@@ -73,14 +73,27 @@ class Products:
     `matmul`."""
 
     def __init__(
-        self, device: str, threads: int, tile_rows: int | None, gemm: str | None = None
+        self,
+        device: str,
+        threads: int,
+        tile_rows: int | None,
+        gemm: str | None = None,
+        *,
+        in_out: bool = False,
     ) -> None:
-        """`gemm`: a CPU's product library, `onednn` or `mkl`; None: `paddle_env.cpu_gemm()`."""
+        """`gemm`: a CPU's product library, `onednn` or `mkl`; None: `paddle_env.cpu_gemm()`.
+        `in_out`: the linear layers' weights are laid out [in, out] (`weights_in_out`), not
+        HF's [out, in]."""
         onednn = device == "cpu" and (gemm or cpu_gemm()) == "onednn"
         self._sgemm = _load_sgemm() if onednn else None
         if self._sgemm is not None:
             _set_openmp_threads(threads)
         self._tile = tile_rows
+        self.in_out = in_out
+
+    def in_features(self, w: paddle.Tensor) -> int:
+        """A linear layer's input width, from its weight as this worker lays it out."""
+        return int(w.shape[0] if self.in_out else w.shape[1])
 
     @property
     def tile_rows(self) -> int | None:
@@ -99,22 +112,17 @@ class Products:
             return paddle.matmul(x, w, transpose_y=True)
         return self._xwt(x, w, x.shape[0])
 
-    def prepare(self, w: paddle.Tensor) -> paddle.Tensor:
-        """A linear layer's weight, HF's [out, in], in the layout `linear` takes: on oneDNN a
-        contiguous [in, out] copy, multiplied as x @ w (`N, N`: 2.6x `N, T` at 16 rows, 1.9x at
-        64, 1.2x at 256, 1.04x at 1,024-4,096 for SmolLM2's gate/up on 30 weights in turn, 1
-        thread, AMD Zen 5), else `w` itself (Paddle's matmul with transpose_y)."""
-        return w.transpose([1, 0]).contiguous() if self._fast(w, w) else w
-
     def linear(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
-        """x @ W.T for a weight W as `prepare` laid it out (`w`); with tiles, `tile_rows` rows
-        at a time (x's rows are a multiple of it)."""
-        tile = self._tile
+        """A linear layer: x @ w ([in, out] weights: `in_out`) or x @ w.T (HF's [out, in]);
+        with tiles, `tile_rows` rows at a time (x's rows are a multiple of it)."""
+        tile, ty = self._tile, not self.in_out
         if not self._fast(x, w):
             if tile is None or x.shape[0] == tile:
-                return paddle.matmul(x, w, transpose_y=True)
+                return paddle.matmul(x, w, transpose_y=ty)
             parts = paddle.split(x, x.shape[0] // tile)
-            return paddle.concat([paddle.matmul(t, w, transpose_y=True) for t in parts])
+            return paddle.concat([paddle.matmul(t, w, transpose_y=ty) for t in parts])
+        if ty:
+            return self._xwt(x, w, tile or x.shape[0])
         x, w = _contiguous(x), _contiguous(w)
         rows, k = x.shape
         n = w.shape[1]
@@ -195,6 +203,17 @@ class Products:
             a, c = xp + lo * k * _FLOAT, op + lo * n * _FLOAT
             _check(sgemm(b"N", b"T", m, n, k, 1.0, a, k, wp, k, 0.0, c, n))
         return out
+
+
+def weights_in_out(device: str, dtype: str) -> bool:
+    """Whether a worker keeps its linear layers' weights [in, out] (multiplied x @ w): on a
+    float32 CPU. oneDNN's `dnnl_sgemm` runs `N, N` 2.6x faster than `N, T` (x @ w.T on HF's
+    [out, in]) at 16 rows, 1.9x at 64, 1.2x at 256, 1.04x at 1,024-4,096 (SmolLM2's gate/up, 30
+    weights in turn, 1 thread, AMD Zen 5): below ~64 rows a forward streams the weights, and
+    small forwards are what a prefix-cache hit leaves. Laid out once as the weights load (no
+    second copy); MKL, if the worker picks it, multiplies either layout. Elsewhere (a GPU,
+    other dtypes) HF's layout and Paddle's matmul with transpose_y, as before."""
+    return device == "cpu" and dtype == "float32"
 
 
 def _blocks(rows: int, tile: int | None) -> list[tuple[int, int]]:

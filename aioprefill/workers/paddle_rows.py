@@ -58,12 +58,12 @@ def row_floor(
     Check = tuple[str, Callable[..., paddle.Tensor], paddle.Tensor, int, tuple[int, ...], int]
     checks: list[Check] = [
         ("qkv", mm.project, layer.qkv, layer.qkv.shape[1], _SIZES, _BIG),
-        ("o", mm.linear, mm.prepare(layer.o), layer.o.shape[1], _SIZES, _BIG),
+        ("o", mm.linear, layer.o, mm.in_features(layer.o), _SIZES, _BIG),
     ]
     for name in ("gate_up", "down"):
         w = getattr(layer, name, None)
         if w is not None:  # None: a mixture of experts
-            checks.append((name, mm.linear, mm.prepare(w), w.shape[1], _SIZES, _BIG))
+            checks.append((name, mm.linear, w, mm.in_features(w), _SIZES, _BIG))
     head = lm_head[:VOCAB_CHUNK] if lm_head.place.is_cpu_place() else lm_head  # as head_rows
     checks.append(("head", mm.product, head, lm_head.shape[1], _HEAD_SIZES, HEAD_ROWS))
     rng = np.random.default_rng(0)
@@ -89,11 +89,12 @@ def _host(t: paddle.Tensor) -> np.ndarray:
 
 
 def checked_products(
-    device: str, threads: int, layer: Layer, lm_head: paddle.Tensor
+    device: str, threads: int, layer: Layer, lm_head: paddle.Tensor, *, in_out: bool
 ) -> tuple[Products, int]:
-    """The default mode's untiled `Products` and the fewest rows a product gets (`row_floor`;
-    64 where rows moved at 64 or more, with a warning that hits may then differ by rounding)."""
-    mm = Products(device, threads, None)
+    """The default mode's untiled `Products` (for linear weights laid out as `in_out` says) and
+    the fewest rows a product gets (`row_floor`; 64 where rows moved at 64 or more, with a
+    warning that hits may then differ by rounding)."""
+    mm = Products(device, threads, None, in_out=in_out)
     floor, moved = row_floor(mm, layer, lm_head)
     if floor is not None:
         return mm, floor
@@ -101,7 +102,7 @@ def checked_products(
         # MKL by default, not by the user's choice: oneDNN's products from the same wheel may hold
         # their rows where MKL's do not (an Intel Xeon, 2 threads: MKL's down projection moves
         # at 64-128 rows, oneDNN's at 1 and 8), at MKL's speed there (bench_hit_exact.py cost)
-        onednn = Products(device, threads, None, gemm="onednn")
+        onednn = Products(device, threads, None, gemm="onednn", in_out=in_out)
         if onednn.uses_onednn:
             floor, also = row_floor(onednn, layer, lm_head)
             if floor is not None:

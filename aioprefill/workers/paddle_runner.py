@@ -62,7 +62,7 @@ from aioprefill.parallel import ParallelMode  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
 from aioprefill.workers.paddle_attention import KVCache, attend, export_layer  # noqa: E402
-from aioprefill.workers.paddle_gemm import Products  # noqa: E402
+from aioprefill.workers.paddle_gemm import Products, weights_in_out  # noqa: E402
 from aioprefill.workers.paddle_head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle_norm import rms_norm_for  # noqa: E402
 from aioprefill.workers.paddle_ops import Rope, swiglu  # noqa: E402
@@ -136,19 +136,19 @@ class PaddleRunner:
             with contextlib.suppress(ValueError):
                 paddle.set_flags({"FLAGS_allow_tf32_cublas": False})
         with paddle.no_grad():
-            weights = load_to_device(spec, self._shard)  # parallel: only this rank's slices
+            in_out = weights_in_out(self.device, spec.dtype)  # linear weights' layout
+            weights = load_to_device(spec, self._shard, in_out=in_out)  # (this rank's slices)
             self._cos, self._sin = rope_tables(spec, spec.max_position_embeddings)
         self._embed, self._layers = weights.embed, weights.layers
         self._cache: dict[int, KVCache] = {}
         self._deterministic = spec.deterministic
         # products: oneDNN on a CPU (paddle_gemm); fixed row tiles, or >= _floor rows (paddle_rows)
+        threads, first = spec.num_threads, self._layers[0]
         self._mm, self._floor = (
-            (Products(self.device, spec.num_threads, _TILE_ROWS), _TILE_ROWS)
+            (Products(self.device, threads, _TILE_ROWS, in_out=in_out), _TILE_ROWS)
             if self._deterministic
-            else checked_products(self.device, spec.num_threads, self._layers[0], weights.lm_head)
+            else checked_products(self.device, threads, first, weights.lm_head, in_out=in_out)
         )
-        for layer in self._layers:
-            layer.lay_out(self._mm.prepare)
         self._tiled = self._mm.tile_rows is not None
         tile = _HEAD_TILE_ROWS if self._tiled else None
         self._outputs = OutputHead(

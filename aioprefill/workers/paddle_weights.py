@@ -24,7 +24,6 @@ Only worker processes and model-level tests import this module (it imports paddl
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -66,9 +65,12 @@ class Layer:
         "qkv_bias",
     )
 
-    def __init__(self, w: dict[str, np.ndarray], spec: PaddleModel) -> None:
+    def __init__(self, w: dict[str, np.ndarray], spec: PaddleModel, *, in_out: bool) -> None:
         def t(a: np.ndarray) -> paddle.Tensor:
             return paddle.to_tensor(np.ascontiguousarray(a), dtype=spec.dtype)
+
+        def linear(a: np.ndarray) -> paddle.Tensor:  # HF's [out, in], or [in, out] (in_out)
+            return t(a.T if in_out else a)
 
         dim = spec.head_dim
         # Queries are scaled by head_dim^-0.5 for the scores. Without q/k norms the scale is
@@ -88,23 +90,15 @@ class Layer:
         if spec.qk_norm:
             self.q_norm = t(w["q_norm"] * dim**-0.5)
             self.k_norm = t(w["k_norm"])
-        # The rest keep HF's [out, in] layout until `lay_out` (the worker's products choose).
-        self.o = t(w["o"])
+        # The rest: [in, out] on a float32 CPU, else HF's [out, in] (`paddle_gemm.weights_in_out`).
+        self.o = linear(w["o"])
         # parallel: a mixture of experts replaces the dense MLP (paddle_moe)
         self.moe = MoE(w, spec, t) if spec.num_experts else None
         if self.moe is None:
-            self.gate_up = t(np.concatenate([w["gate"], w["up"]]))
-            self.down = t(w["down"])
+            self.gate_up = linear(np.concatenate([w["gate"], w["up"]]))
+            self.down = linear(w["down"])
         self.in_norm = t(w["in_norm"])
         self.post_norm = t(w["post_norm"])
-
-    def lay_out(self, prepare: Callable[[paddle.Tensor], paddle.Tensor]) -> None:
-        """The linear layers' weights as the worker's products take them (`Products.prepare`),
-        each replaced in turn (one extra weight's memory at a time)."""
-        self.o = prepare(self.o)
-        if self.moe is None:
-            self.gate_up = prepare(self.gate_up)
-            self.down = prepare(self.down)
 
 
 class DeviceWeights(NamedTuple):
@@ -116,9 +110,10 @@ class DeviceWeights(NamedTuple):
     lm_head: paddle.Tensor  # [vocab (this rank's slice under TP), hidden]; tied: embed's rows
 
 
-def load_to_device(spec: PaddleModel, shard: Shard) -> DeviceWeights:
+def load_to_device(spec: PaddleModel, shard: Shard, *, in_out: bool = False) -> DeviceWeights:
     """Move the weights onto the current device as they stream in, layer by layer; only the
-    parts and slices `shard` keeps. Call under `paddle.no_grad()`."""
+    parts and slices `shard` keeps; the linear layers' weights [in, out] with `in_out`. Call
+    under `paddle.no_grad()`."""
     parts = tuple(p for p in layer_parts(spec) if shard.wants(p))
     pending: dict[int, dict[str, np.ndarray]] = {}
     layers: list[Layer | None] = [None] * spec.num_layers
@@ -133,7 +128,7 @@ def load_to_device(spec: PaddleModel, shard: Shard) -> DeviceWeights:
         have = pending.setdefault(layer, {})
         have[part] = array
         if len(have) == len(parts):
-            layers[layer] = Layer(pending.pop(layer), spec)
+            layers[layer] = Layer(pending.pop(layer), spec, in_out=in_out)
     embed = top["embed"]
     lm_head = top["lm_head"] if "lm_head" in top else shard.vocab_rows(embed)
     norm = top["norm"]

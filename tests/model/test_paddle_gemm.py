@@ -20,8 +20,8 @@ def _onednn_chosen(monkeypatch):
     monkeypatch.setenv(paddle_env.CPU_GEMM_ENV, "onednn")
 
 
-def _onednn(tile: int | None = None) -> Products:
-    products = Products("cpu", 1, tile)
+def _onednn(tile: int | None = None, *, in_out: bool = False) -> Products:
+    products = Products("cpu", 1, tile, in_out=in_out)
     # The wheel the project pins ships libdnnl: a silent fallback would make every test below
     # compare Paddle's matmul with itself.
     assert products.uses_onednn
@@ -39,9 +39,9 @@ def _data(rows: int, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndar
 def test_linear_and_product_match_float64(rows, n, k):
     x, w = _data(rows, n, k)
     want = x.astype(np.float64) @ w.T.astype(np.float64)
-    products = _onednn()
-    linear = lambda x, w: products.linear(x, products.prepare(w))  # noqa: E731
-    for fn in (linear, products.product):
+    products, in_out = _onednn(), _onednn(in_out=True)
+    linear_in_out = lambda x, w: in_out.linear(x, paddle.to_tensor(w.numpy().T))  # noqa: E731
+    for fn in (products.linear, linear_in_out, products.product):
         got = fn(paddle.to_tensor(x), paddle.to_tensor(w))
         assert got.shape == [rows, n] and got.dtype == paddle.float32
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
@@ -85,8 +85,8 @@ def test_tiles_give_every_row_the_same_bits_wherever_it_sits():
     tile = 8
     x, w = _data(4 * tile, 300, 64, seed=2)
     wh = (np.random.default_rng(3).standard_normal((3, 64, 16)) / 8).astype(np.float32)
-    products = _onednn(tile)
-    wp = products.prepare(paddle.to_tensor(w))
+    products = _onednn(tile, in_out=True)
+    wp = paddle.to_tensor(np.ascontiguousarray(w.T))  # [in, out]
     full = products.linear(paddle.to_tensor(x), wp).numpy()
     proj = products.project(paddle.to_tensor(x), paddle.to_tensor(wh)).numpy()
     row = x[5]
@@ -103,12 +103,13 @@ def test_views_are_read_where_they_point():
     x, w = _data(40, 24, 32, seed=4)
     big = paddle.to_tensor(x)
     sliced = big[10:30]  # a view at an offset
-    # the [in, out] layout `prepare` gives, as a view that is not contiguous
-    transposed = paddle.to_tensor(np.ascontiguousarray(w)).transpose([1, 0])
-    assert not transposed.is_contiguous()
-    got = _onednn().linear(sliced, transposed).numpy()
-    np.testing.assert_allclose(got, x[10:30].astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
-    assert _onednn().prepare(paddle.to_tensor(w)).shape == [32, 24]  # [in, out], contiguous
+    for in_out in (False, True):  # each layout as a view that is not contiguous
+        layout = w if in_out else np.ascontiguousarray(w.T)
+        transposed = paddle.to_tensor(layout).transpose([1, 0])
+        assert not transposed.is_contiguous()
+        got = _onednn(in_out=in_out).linear(sliced, transposed).numpy()
+        want = x[10:30].astype(np.float64) @ w.T
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_mkl_setting_keeps_paddles_matmul(monkeypatch):
@@ -116,11 +117,12 @@ def test_mkl_setting_keeps_paddles_matmul(monkeypatch):
     products = Products("cpu", 1, None)
     assert not products.uses_onednn
     x, w = _data(6, 10, 12, seed=5)
-    w_t = paddle.to_tensor(w)
-    assert products.prepare(w_t) is w_t  # HF's layout, as it is
-    got = products.linear(paddle.to_tensor(x), w_t).numpy()
+    got = products.linear(paddle.to_tensor(x), paddle.to_tensor(w)).numpy()
     want = paddle.matmul(paddle.to_tensor(x), paddle.to_tensor(w), transpose_y=True).numpy()
     assert np.array_equal(got, want)
+    in_out = Products("cpu", 1, None, in_out=True)  # MKL with weights laid out [in, out]
+    got = in_out.linear(paddle.to_tensor(x), paddle.to_tensor(np.ascontiguousarray(w.T))).numpy()
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv(paddle_env.CPU_GEMM_ENV, "openblas")
     with pytest.raises(ValueError, match="AIOPREFILL_CPU_GEMM"):
         Products("cpu", 1, None)
