@@ -53,26 +53,18 @@ def main() -> None:
             weights[id(w)] = (w, w.astype("bfloat16"))  # keeps w alive: ids stay unique
         return weights[id(w)][1]
 
-    def xwt(x: Any, w: Any) -> Any:
+    def xw(x: Any, w: Any, in_out: bool = False) -> Any:
+        """x @ w ([in, out] weights) or x @ w.T (HF's [out, in], and the LM head)."""
         xb, wb = x.contiguous().astype("bfloat16"), bf16(w)
-        (m, k), n = x.shape, w.shape[0]
+        (m, k), n = x.shape, w.shape[1 if in_out else 0]
         out = paddle.empty([m, n], "float32")
-        status = gemm(b"N", b"T", m, n, k, 1.0, xb.data_ptr(), k, wb.data_ptr(), k, 0.0,
-                      out.data_ptr(), n)  # fmt: skip
+        status = gemm(b"N", b"N" if in_out else b"T", m, n, k, 1.0, xb.data_ptr(), k,
+                      wb.data_ptr(), n if in_out else k, 0.0, out.data_ptr(), n)  # fmt: skip
         assert status == 0
         return out
 
-    def linear(x: Any, w: Any) -> Any:
-        """A linear layer as the runner laid its weight out (`paddle_gemm.weights_in_out`)."""
-        if not runner._mm.in_out:  # HF's [out, in]
-            return xwt(x, w)
-        xb, wb = x.contiguous().astype("bfloat16"), bf16(w)  # [in, out]
-        (m, k), n = x.shape, w.shape[1]
-        out = paddle.empty([m, n], "float32")
-        status = gemm(b"N", b"N", m, n, k, 1.0, xb.data_ptr(), k, wb.data_ptr(), n, 0.0,
-                      out.data_ptr(), n)  # fmt: skip
-        assert status == 0
-        return out
+    def linear(x: Any, w: Any) -> Any:  # as the runner laid the weights out (weights_in_out)
+        return xw(x, w, runner._mm.in_out)
 
     def project(x: Any, w: Any) -> Any:
         xb, wb = x.contiguous().astype("bfloat16"), bf16(w)
@@ -91,7 +83,7 @@ def main() -> None:
     def use(kind: str, head_too: bool) -> None:
         if kind == "bf16":
             products.linear, products.project = linear, project  # type: ignore[method-assign]
-            runner._outputs._product = xwt if head_too else float32[2]
+            runner._outputs._product = xw if head_too else float32[2]
         else:
             products.linear, products.project, runner._outputs._product = float32  # type: ignore[method-assign]
 

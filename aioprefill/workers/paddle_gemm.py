@@ -68,7 +68,7 @@ def _set_openmp_threads(threads: int) -> None:
 
 
 class Products:
-    """`linear` (x @ w.T), `project` (x times per-head weights), `product` (x @ w.T, never
+    """`linear` (a linear layer), `project` (x times per-head weights), `product` (x @ w.T, never
     tiled) and `per_head` (attention's) for one worker: oneDNN on a float32 CPU, else Paddle's
     `matmul`."""
 
@@ -110,7 +110,7 @@ class Products:
         """[rows, k] x [n, k] -> [rows, n] = x @ w.T, as one product."""
         if not self._fast(x, w):
             return paddle.matmul(x, w, transpose_y=True)
-        return self._xwt(x, w, x.shape[0])
+        return self._xw(x, w, x.shape[0], transposed=True)
 
     def linear(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
         """A linear layer: x @ w ([in, out] weights: `in_out`) or x @ w.T (HF's [out, in]);
@@ -121,20 +121,7 @@ class Products:
                 return paddle.matmul(x, w, transpose_y=ty)
             parts = paddle.split(x, x.shape[0] // tile)
             return paddle.concat([paddle.matmul(t, w, transpose_y=ty) for t in parts])
-        if ty:
-            return self._xwt(x, w, tile or x.shape[0])
-        x, w = _contiguous(x), _contiguous(w)
-        rows, k = x.shape
-        n = w.shape[1]
-        out = paddle.empty([rows, n], dtype=x.dtype)
-        sgemm, xp, wp, op = self._sgemm, x.data_ptr(), w.data_ptr(), out.data_ptr()
-        assert sgemm is not None and w.shape[0] == k
-        step = tile or rows
-        for lo in range(0, rows, step):
-            m = min(step, rows - lo)
-            a, c = xp + lo * k * _FLOAT, op + lo * n * _FLOAT
-            _check(sgemm(b"N", b"N", m, n, k, 1.0, a, k, wp, n, 0.0, c, n))
-        return out
+        return self._xw(x, w, tile or x.shape[0], transposed=ty)
 
     def project(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
         """[rows, hidden] x [heads, hidden, dim] -> [heads, rows, dim]; tiled like `linear`."""
@@ -189,19 +176,23 @@ class Products:
                 _check(sgemm(b"N", b"N", m, d, n, 1.0, ah, k, bh, d, 0.0, ch, d))
         return out
 
-    def _xwt(self, x: paddle.Tensor, w: paddle.Tensor, step: int) -> paddle.Tensor:
+    def _xw(
+        self, x: paddle.Tensor, w: paddle.Tensor, step: int, *, transposed: bool
+    ) -> paddle.Tensor:
+        """x @ w.T (`transposed`: w [n, k]) or x @ w (w [k, n]), `step` rows a product."""
         x, w = _contiguous(x), _contiguous(w)
         rows, k = x.shape
-        n = w.shape[0]
+        n = w.shape[0] if transposed else w.shape[1]
         out = paddle.empty([rows, n], dtype=x.dtype)
         if rows == 0:
             return out
         sgemm, xp, wp, op = self._sgemm, x.data_ptr(), w.data_ptr(), out.data_ptr()
         assert sgemm is not None
+        tb, ldb = (b"T", k) if transposed else (b"N", n)
         for lo in range(0, rows, step):
             m = min(step, rows - lo)
             a, c = xp + lo * k * _FLOAT, op + lo * n * _FLOAT
-            _check(sgemm(b"N", b"T", m, n, k, 1.0, a, k, wp, k, 0.0, c, n))
+            _check(sgemm(b"N", tb, m, n, k, 1.0, a, k, wp, ldb, 0.0, c, n))
         return out
 
 
