@@ -42,7 +42,6 @@ __all__ = ["HEADER_BYTES", "ValueCodec", "ValueRefused"]
 
 MAGIC = b"AIOPKVB\0"
 VERSION = 1
-KIND_CRC32 = 1  # no longer written nor accepted
 KIND_MAC = 2
 KIND_XXH3 = 3
 _HEAD = struct.Struct("<8sHHI16sQQ")  # everything before the checksum: 48 bytes
