@@ -16,7 +16,8 @@ holds its block's token ids. A chunk that reads slots continues from them (their
 in for the prefix it did not receive, and its CRC32 continues from theirs), so its outputs
 equal the whole prompt's, and a wrong read (an engine bookkeeping bug) gives a wrong answer.
 Its cost charges the computed tokens plus attention over the cached ones
-(`SimModel.forward_seconds`).
+(`SimModel.forward_seconds`); storing a batch's new blocks (its "KV writes", which a real
+model's kernels make within the time its cost counts) runs inside that time, not after it.
 
 As a rank of a tensor- or expert-parallel group it meets its peers at a real barrier after
 every forward (`SocketBarrier`), so a step costs what the slowest rank costs and a rank that
@@ -191,7 +192,11 @@ class SimRunner:
         self._inject_faults(batch.tokens)
         reads = batch.read_offsets
         cached = None if reads is None else (np.diff(reads) * self.block_tokens).tolist()
-        time.sleep(self.spec.forward_seconds(seq_lens.tolist(), cached))
+        deadline = time.perf_counter() + self.spec.forward_seconds(seq_lens.tolist(), cached)
+        plain = batch.options is None and batch.top_k is None and only_whole_writes(batch)
+        if plain:  # a real forward writes these blocks' KV inside the time the model charges
+            self._blocks.write_whole(batch, self.block_tokens)
+        time.sleep(max(0.0, deadline - time.perf_counter()))
         if self.barrier is not None:
             out_of_step = self.spec.fail_rank >= 0
             if out_of_step and self.barrier.rank == self.spec.fail_rank:
@@ -201,8 +206,7 @@ class SimRunner:
                 self._inject_failure(batch.tokens)  # after the barrier: the group stays in step
             if self.barrier.rank == self.spec.slow_rank:
                 time.sleep(self.spec.slow_rank_ms * 1e-3)
-        if batch.options is None and batch.top_k is None and only_whole_writes(batch):
-            self._blocks.write_whole(batch, self.block_tokens)
+        if plain:
             return self._plain(batch)
         return self._with_options(batch)
 
