@@ -110,6 +110,8 @@ def _check_kv_store(kind: object, options: object) -> None:
         load_store()
         if isinstance(options, KVStoreOptions) and options.secret is None:
             load_xxhash()
+        if isinstance(options, KVStoreOptions) and options.peer_events:
+            import_optional("zmq", "events")  # the workers subscribe to the nodes' events
 
 
 @dataclass(slots=True, kw_only=True)

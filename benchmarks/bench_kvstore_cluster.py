@@ -10,7 +10,11 @@ what a block weighs in the store), each with a local cache of `--local-blocks` b
 i goes to node i % 4 (round-robin: turn k of a conversation lands on another node). Runs (the store
 ones with a fresh master each), in the order local, store, store, local (ABBA: the means are
 reported), then `one node` holding the four nodes' cache (`4 * --local-blocks`), for the hit
-ratio a single cache reaches: `local` (no store), `store` (kv_store="mooncake").
+ratio a single cache reaches: `local` (no store), `store` (kv_store="mooncake"). With
+`--directory`, a third arm `directory`: the store, each node publishing KV events on
+127.0.0.1:`--events-port` + 2i and every worker subscribed to all four
+(`KVStoreOptions.peer_events`: it asks the store only for announced chains); the order is
+then local, store, directory, directory, store, local.
 
 hit ratio = (tokens read from a local cache + tokens loaded from the store) / prompt tokens;
 computed = prompt tokens - both; TTFT = prefill() call to result, mean and p90 over requests;
@@ -112,6 +116,8 @@ def cluster_arguments(ap: argparse.ArgumentParser) -> None:
         help="KVStoreOptions.scratch_blocks",
     )
     ap.add_argument("--preset", default="gpu-class", choices=sorted(SIM_PRESETS))
+    ap.add_argument("--directory", action="store_true", help="add the directory arm")
+    ap.add_argument("--events-port", type=int, default=25600, help="node i: this + 2i (+1)")
 
 
 def main() -> None:
@@ -125,15 +131,20 @@ def main() -> None:
     block_bytes = args.block * args.kv_per_token
     local = args.local_blocks * block_bytes
 
-    def cfg(cache: int, master: str | None = None) -> EngineConfig:
-        extra = {}
+    events = [f"tcp://127.0.0.1:{args.events_port + 2 * i}" for i in range(NODES)]
+
+    def cfg(cache: int, master: str | None = None, node: int | None = None) -> EngineConfig:
+        extra: dict[str, object] = {}
         if master is not None:
             store = KVStoreOptions(
                 master=master,
                 segment_bytes=args.segment_mb << 20,
                 scratch_blocks=args.scratch_blocks,
+                peer_events=tuple(events) if node is not None else (),
             )  # buffers: defaults
             extra = {"kv_store": "mooncake", "kv_store_options": store}
+            if node is not None:
+                extra["kv_events_endpoint"] = events[node]
         return EngineConfig(model=model, prefix_cache_bytes=cache, prefix_block_tokens=args.block,
                             **extra)  # type: ignore[arg-type]  # fmt: skip
 
@@ -143,11 +154,16 @@ def main() -> None:
         if mode == "one node":
             return asyncio.run(run(trace, [cfg(NODES * local)], args.speedup))
         with LocalMaster() as m:  # a fresh, empty store each run
-            configs = [cfg(local, m.address) for _ in range(NODES)]
+            nodes = range(NODES) if mode == "directory" else [None] * NODES
+            configs = [cfg(local, m.address, i) for i in nodes]
             return asyncio.run(run(trace, configs, args.speedup))
 
     runs: dict[str, list[dict[str, float]]] = {"local": [], "store": [], "one node": []}
-    for mode in ("local", "store", "store", "local", "one node"):  # ABBA, then the reference
+    order = ["local", "store", "store", "local", "one node"]  # ABBA, then the reference
+    if args.directory:
+        runs["directory"] = []
+        order = ["local", "store", "directory", "directory", "store", "local", "one node"]
+    for mode in order:
         runs[mode].append(once(mode))
     results = {
         mode: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()
@@ -167,22 +183,24 @@ def main() -> None:
             f"{r['computed']:9.0f} {r['ttft_mean_ms']:8.1f}ms {r['ttft_p90_ms']:6.1f}ms "
             f"{r['forward_ms']:6.1f}ms"
         )
-    base, store = results["local"], results["store"]
-    print(
-        f"store / local: hit ratio x{store['hit_ratio'] / max(base['hit_ratio'], 1e-9):.2f}, "
-        f"computed x{store['computed'] / base['computed']:.2f}, "
-        f"TTFT mean x{store['ttft_mean_ms'] / base['ttft_mean_ms']:.2f}"
-    )
-    # Each run of the ABBA order on its own (the spread between runs on a shared host), and
-    # each store run against the local run next to it (1st with 1st, 2nd with 2nd).
-    for k in range(2):
-        lo, st = runs["local"][k], runs["store"][k]
+    base = results["local"]
+    for arm in [a for a in ("store", "directory") if a in runs]:
+        store = results[arm]
         print(
-            f"pair {k + 1}: local TTFT {lo['ttft_mean_ms']:.1f}ms, store TTFT "
-            f"{st['ttft_mean_ms']:.1f}ms hit {st['hit_ratio']:.3f}: computed "
-            f"x{st['computed'] / lo['computed']:.2f}, TTFT mean "
-            f"x{st['ttft_mean_ms'] / lo['ttft_mean_ms']:.2f}"
+            f"{arm} / local: hit ratio x{store['hit_ratio'] / max(base['hit_ratio'], 1e-9):.2f}, "
+            f"computed x{store['computed'] / base['computed']:.2f}, "
+            f"TTFT mean x{store['ttft_mean_ms'] / base['ttft_mean_ms']:.2f}"
         )
+        # Each run of the ABBA order on its own (the spread between runs on a shared host),
+        # and each store run against the local run next to it (1st with 1st, 2nd with 2nd).
+        for k in range(2):
+            lo, st = runs["local"][k], runs[arm][k]
+            print(
+                f"{arm} pair {k + 1}: local TTFT {lo['ttft_mean_ms']:.1f}ms, {arm} TTFT "
+                f"{st['ttft_mean_ms']:.1f}ms hit {st['hit_ratio']:.3f}: computed "
+                f"x{st['computed'] / lo['computed']:.2f}, TTFT mean "
+                f"x{st['ttft_mean_ms'] / lo['ttft_mean_ms']:.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -155,6 +155,22 @@ class NodeBlocks:
             events.append(BlockRemoved(old, STORE_MEDIUM))
         return events
 
+    def backed(
+        self, hashes: Sequence[int], parent_hash: int | None, token_ids: Sequence[int]
+    ) -> list[Event]:
+        """Blocks a worker computed past its cache slots (a chunk's tail) and put: in the store
+        only. Announced store-backed like an evicted block (nothing without a store)."""
+        if self.store_capacity is None:
+            return []
+        prev = None if parent_hash is None else parent_hash & MASK64
+        gone: dict[int, _Meta] = {}
+        for i, raw in enumerate(hashes):
+            h = raw & MASK64
+            if h not in self._count:  # (a block cached too is announced there already)
+                gone[h] = (prev, token_ids, i)
+            prev = h
+        return self._demoted(gone) if gone else []
+
     def cleared(self, worker: int) -> list[Event]:
         """`worker` restarted (or died): its blocks are gone."""
         held = self._held.pop(worker, set())

@@ -203,6 +203,12 @@ class KVEventPublisher:
         """`worker` restarted or died: its blocks are gone."""
         self._add(self.blocks.cleared(worker))
 
+    def put_past_cache(
+        self, worker: int, hashes: Sequence[int], parent_hash: int | None, token_ids: Sequence[int]
+    ) -> None:
+        """`worker` computes these blocks past its slots and puts them: store-backed only."""
+        self._add(self.blocks.backed(hashes, parent_hash, token_ids))
+
     def snapshot(self) -> None:
         """Publish `AllBlocksCleared` and then every block the node holds, parents first."""
         self.num_snapshots += 1

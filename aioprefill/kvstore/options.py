@@ -77,6 +77,12 @@ class KVStoreOptions:
     by the worker as it runs; `read_latency_s` and `read_bytes_per_s` are the read side's
     starting values, until its first load (docs/kv-store.md).
 
+    Directory: `peer_events`, the KV event endpoints (`EngineConfig.kv_events_endpoint`,
+    `tcp://HOST:PORT`) of every node sharing the store, this one's included: each worker
+    subscribes to them and asks the store only for the chains some node announced (computed,
+    loaded or evicted: all in the store), which spares the calls that would find nothing
+    (`kvstore.directory`). Empty: the cost rule alone decides when to ask.
+
     Identity: `model_id` names the weights in store keys (default: a digest of the model spec
     and of sampled bytes of its weight files). `secret`: with bytes (>= 16), values carry a
     keyed BLAKE2b MAC instead of an XXH3 checksum, so whoever can write to the store but lacks
@@ -98,8 +104,15 @@ class KVStoreOptions:
     read_latency_s: float = 1.0e-3
     model_id: str | None = None
     secret: bytes | None = None
+    peer_events: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.peer_events, list):
+            object.__setattr__(self, "peer_events", tuple(self.peer_events))
+        if not isinstance(self.peer_events, tuple) or not all(
+            isinstance(e, str) and e.startswith("tcp://") and ":" in e[6:] for e in self.peer_events
+        ):
+            raise _bad("peer_events", "must be a tuple of tcp://HOST:PORT", self.peer_events)
         _check_address("master", self.master, with_port=True)
         _check_address("host", self.host, with_port=False)
         if self.protocol not in _PROTOCOLS:

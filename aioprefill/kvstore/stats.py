@@ -26,6 +26,7 @@ class StoreStats:
     blocks_refused: int = 0  # values that failed a check (short, foreign, corrupt, forged)
     loads_skipped: int = 0  # store unreachable, still busy, or not worth it: computed
     load_timeouts: int = 0  # a load passed load_timeout_s: computed
+    loads_unlisted: int = 0  # no block of the batch's chains announced by any node: computed
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}

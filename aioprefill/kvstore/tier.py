@@ -18,6 +18,7 @@ import numpy as np
 
 from aioprefill.kvstore.cost import ForwardClock, HitRate, ReadClock
 from aioprefill.kvstore.diag import DIAG
+from aioprefill.kvstore.directory import StoreDirectory
 from aioprefill.kvstore.identity import StoreIdentity
 from aioprefill.kvstore.link import StoreLink
 from aioprefill.kvstore.loads import Chain, Loader
@@ -62,6 +63,12 @@ class StoreTier:
         self.loader = Loader(self.link, identity, self.codec, load_buf, self.stats)
         self.started = False
         self.refused = 0  # batches in a row whose loads the rule refused
+        # What every node announced (`KVStoreOptions.peer_events`): a chain nobody announced
+        # is not asked for. Sized at twice the pool, as if every node lent what this one does.
+        self.directory: StoreDirectory | None = None
+        if options.peer_events:
+            pool = len(options.peer_events) * options.segment_bytes // self.value_bytes
+            self.directory = StoreDirectory(options.peer_events, 2 * pool)
 
     @property
     def value_bytes(self) -> int:
@@ -71,6 +78,8 @@ class StoreTier:
         """Start both threads; the put thread connects in the background (`is_up`)."""
         self.puts.start()
         self.loader.start()
+        if self.directory is not None:
+            self.directory.start()
         self.started = True
 
     def is_up(self) -> bool:
@@ -111,9 +120,23 @@ class StoreTier:
         `sink(c, i, payload)` copies block i of chain c into its slot. Returns, per chain,
         how many blocks were handed over; the caller computes the rest. The call's time
         teaches `reads`, what it found beyond the blocks known to be there `hits`."""
-        known = [self.puts.known_prefix([h for h, _ in chain]) for chain in chains]
+        hashes = _hashes(chains)
+        known = [self.puts.known_prefix(hs) for hs in hashes]
+        sizes = [len(chain) for chain in chains]
+        directory = self.directory
+        if directory is not None and not directory.failed:
+            # Only what some node announced is worth a call; the rule then weighs exactly that
+            # (the rest of a chain is still asked: a block announced since may be there).
+            known = sizes = [
+                max(k, directory.known_prefix(hs)) for k, hs in zip(known, hashes, strict=True)
+            ]
+            if not any(known):
+                self.stats.loads_unlisted += 1
+                if DIAG is not None:
+                    DIAG.ask("unlisted", hashes, [0] * len(chains), 0.0, self._state())
+                return [0] * len(chains)
         decision = "load"
-        if self.load_pays([len(chain) for chain in chains], sum(known)):
+        if self.load_pays(sizes, sum(known)):
             self.refused = 0
         else:
             self.stats.loads_skipped += 1
@@ -121,7 +144,7 @@ class StoreTier:
             decision = "probe"
             if self.refused % _PROBE_EVERY:
                 if DIAG is not None:
-                    DIAG.ask("skip", _hashes(chains), [0] * len(chains), 0.0, self._state())
+                    DIAG.ask("skip", hashes, [0] * len(chains), 0.0, self._state())
                 return [0] * len(chains)
             # now and then anyway: a refused load teaches nothing
         calls, timeouts = self.stats.loads, self.stats.load_timeouts
@@ -140,7 +163,7 @@ class StoreTier:
                 decision = "busy"
             took = time.perf_counter() - start
             parts = self.loader.parts if decision in ("load", "probe") else []
-            DIAG.ask(decision, _hashes(chains), got, took, self._state(), parts)
+            DIAG.ask(decision, hashes, got, took, self._state(), parts)
         return got
 
     def _state(self) -> list[float]:
@@ -154,6 +177,8 @@ class StoreTier:
         """Stop both threads; unmount the segment (~2 s) once neither is inside a store call
         and the master answers (unmounting from a dead master retries for many seconds: the
         process's exit ends the client instead, and the master forgets it after its TTL)."""
+        if self.directory is not None:
+            self.directory.close()
         puts_done = self.puts.close(timeout)
         loads_done = self.loader.close(timeout)
         if puts_done and loads_done and self.link.up.is_set():

@@ -36,7 +36,8 @@ class CacheObserver(Protocol):
     `stored` lists consecutive blocks of one prompt, parents first (`parent_hash`: the block
     before the first, None at the prompt's start; `token_ids`: all their ids, in order);
     `removed`: blocks evicted (`in_store` False: lost by a failed forward, never written);
-    `cleared`: the worker lost everything (death, restart).
+    `cleared`: the worker lost everything (death, restart); `put_past_cache`: blocks a worker
+    computes past its slots (a chunk's tail, engine with a KV store), put and never cached.
     """
 
     def stored(
@@ -46,6 +47,10 @@ class CacheObserver(Protocol):
     def removed(self, worker: int, hashes: list[int], *, in_store: bool = True) -> None: ...
 
     def cleared(self, worker: int) -> None: ...
+
+    def put_past_cache(
+        self, worker: int, hashes: list[int], parent_hash: int | None, token_ids: list[int]
+    ) -> None: ...
 
 
 class BlockIndex:

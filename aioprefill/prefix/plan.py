@@ -73,6 +73,7 @@ class BatchPlan:
         "reads_left",
         "tail_hashes",
         "tail_offsets",
+        "tailed",
         "waits",
         "write_first",
         "write_hashes",
@@ -113,6 +114,7 @@ class BatchPlan:
         self.pins: list[int] = []  # every pin this batch took, in order
         self.new: list[int] = []  # slots it writes
         self.written: list[tuple[Request, int, int]] = []  # (request, first block, count)
+        self.tailed: list[tuple[Request, int, int]] = []  # the same, of each chunk's tail
         self.queried = 0
         self.hit = 0
 
@@ -205,6 +207,7 @@ class BatchPlan:
             if count < len(run):
                 self.tail_hashes += struct.pack(f"<{len(run) - count}Q", *run[count:])
                 self.num_tails += len(run) - count
+                self.tailed.append((req, first + count, len(run) - count))
             self.tail_offsets += _INT32(self.num_tails)
         if count:
             self.written.append((req, first, count))
@@ -238,17 +241,25 @@ class BatchPlan:
         cache.hit_tokens += self.hit
         self._flush_evicted()
         observer = cache.observer
-        if observer is not None and self.written:
-            size = self.block_tokens
-            for req, first, count in self.written:
-                hashes = req.hashes
-                assert hashes is not None
-                ids = np.frombuffer(req.tokens, dtype="<i4")[first * size : (first + count) * size]
-                parent = hashes[first - 1] if first else None
-                observer.stored(self.group, hashes[first : first + count], parent, ids.tolist())
+        if observer is not None:
+            for blocks, tell in (
+                (self.written, observer.stored),
+                (self.tailed, observer.put_past_cache),
+            ):
+                for req, first, count in blocks:
+                    tell(self.group, *self._chain(req, first, count))
         if not self.pins:
             return None
         return Pins(self.group, self.index.epoch, self.pins, self.new)
+
+    def _chain(
+        self, req: Request, first: int, count: int
+    ) -> tuple[list[int], int | None, list[int]]:
+        """Blocks first .. first + count of `req`'s prompt: hashes, parent, token ids."""
+        hashes, size = req.hashes, self.block_tokens
+        assert hashes is not None
+        ids = np.frombuffer(req.tokens, dtype="<i4")[first * size : (first + count) * size]
+        return hashes[first : first + count], hashes[first - 1] if first else None, ids.tolist()
 
     def abort(self) -> None:
         """The batch was not sent: give back every pin and every slot it was to write."""

@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-store-segment-mb", type=int, default=256, help="what each worker lends the store"
     )
     g.add_argument(
+        "--kv-store-peer-events",
+        default="",
+        metavar="tcp://HOST:PORT,...",
+        help="every node's --kv-events-endpoint (this one's too): load only announced chains",
+    )
+    g.add_argument(
         "--kv-events-endpoint",
         default=None,
         metavar="tcp://HOST:PORT",
@@ -243,6 +249,7 @@ def kv_store(args: argparse.Namespace) -> dict[str, Any]:
         master=args.kv_store_master,
         host=args.kv_store_host,
         segment_bytes=args.kv_store_segment_mb << 20,
+        peer_events=tuple(e for e in args.kv_store_peer_events.split(",") if e),
     )
     return {"kv_store": "mooncake", "kv_store_options": options}
 

@@ -184,6 +184,20 @@ def test_an_evicted_block_stays_announced_as_store_backed():
     assert node.removed(0, [1]) == []
 
 
+def test_blocks_put_past_the_cache_are_announced_store_backed_only():
+    node = stored_node()
+    node.stored(0, [1, 2], None, toks(1, 2))
+    # a chunk's tail: blocks 3, 4 after 2, computed past the slots and put
+    assert node.backed([3, 4], 2, toks(3, 4)) == [
+        BlockStored([3, 4], 2, toks(3, 4), B, None, "CPU", None)
+    ]
+    assert not node.holds(3) and node.num_store_backed == 2
+    assert node.backed([2, 5], 1, toks(2, 5)) == [  # 2 is cached: announced there already
+        BlockStored([5], 2, toks(5), B, None, "CPU", None)
+    ]
+    assert NodeBlocks(B).backed([3], 2, toks(3)) == []  # no store behind the node
+
+
 def test_the_store_backed_blocks_are_bounded_oldest_withdrawn_first():
     node = stored_node(capacity=2)
     node.stored(0, [1, 2, 3], None, toks(1, 2, 3))

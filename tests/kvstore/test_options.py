@@ -53,11 +53,20 @@ def test_engine_config_refuses_bad_store_fields(fields, match):
         ({"model_id": ""}, "model_id"),
         ({"secret": b"short"}, "secret"),
         ({"secret": "a string of more than 16"}, "secret"),
+        ({"peer_events": "tcp://127.0.0.1:5557"}, "peer_events"),  # a str, not a tuple
+        ({"peer_events": ("127.0.0.1:5557",)}, "peer_events"),
+        ({"peer_events": ("tcp://host",)}, "peer_events"),
+        ({"peer_events": (5557,)}, "peer_events"),
     ],
 )
 def test_store_options_refuse_bad_values(fields, match):
     with pytest.raises(InvalidConfig, match=f"KVStoreOptions.{match}"):
         KVStoreOptions(**fields)
+
+
+def test_peer_events_given_as_a_list_are_kept_as_a_tuple():
+    opts = KVStoreOptions(peer_events=["tcp://127.0.0.1:5557", "tcp://10.0.0.2:5557"])
+    assert opts.peer_events == ("tcp://127.0.0.1:5557", "tcp://10.0.0.2:5557")
 
 
 def test_a_refused_secret_is_not_echoed():

@@ -206,6 +206,9 @@ class Recorder:
     def cleared(self, worker):
         self.events.append(("cleared", worker))
 
+    def put_past_cache(self, worker, hashes, parent_hash, token_ids):
+        self.events.append(("tail", worker, list(hashes), parent_hash, list(token_ids)))
+
 
 def test_the_observer_hears_blocks_stored_parents_first_evicted_failed_and_cleared():
     slots = groups(1, 3)
@@ -246,9 +249,14 @@ def test_with_a_store_blocks_computed_past_the_slots_travel_as_tails():
     slot is pinned) are named with the batch, so that the worker's store can put them."""
     for store_keys in (True, False):
         cache = PrefixCache(groups(1, 3), B, store_keys=store_keys)
+        cache.observer = seen = Recorder()
         slots = groups(1, 3)
         long = request(1, list(range(22)), cache)  # 5 full blocks, 3 slots
         _, columns, _ = run(cache, slots, [long])  # (its pins are kept: every slot pinned)
+        # the observer hears of the tail too (KV events announce it store-backed)
+        h = long.hashes
+        assert seen.events[1:] == ([("tail", 0, h[3:5], h[2], list(range(12, 20)))]
+                                   if store_keys else [])  # fmt: skip
         assert list(np.frombuffer(columns[3], "<i4")) == [0, 1, 2]
         assert list(np.frombuffer(columns[4], "<i4")) == [0]  # its writes hold blocks 0..2
         tails = long.hashes[3:] if store_keys else []

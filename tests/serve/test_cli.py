@@ -85,6 +85,10 @@ def test_the_kv_store_flags_make_the_store_tier():
     assert config.kv_store == "mooncake"
     opts = config.kv_store_options
     assert (opts.master, opts.host, opts.segment_bytes) == ("10.0.0.5:50051", "10.0.0.7", 64 << 20)
+    assert opts.peer_events == ()
+    peers = "tcp://10.0.0.5:5557,tcp://10.0.0.7:5557"
+    config, _ = build(parse_args([*flags, "--kv-store-peer-events", peers]))
+    assert config.kv_store_options.peer_events == ("tcp://10.0.0.5:5557", "tcp://10.0.0.7:5557")
     done = run("--model", "sim", "--kv-store-master", "no-port")
     assert done.returncode != 0 and "KVStoreOptions.master" in done.stderr
     assert "Traceback" not in done.stderr
