@@ -18,6 +18,7 @@ got (`cached_tokens`), the missing blocks put in the first category that explain
   evicted          put before the lookup and missing at it (the store's eviction)
   never written    no node wrote (so put) it: computed past the slots its own prompt was given
   busy / timeout   the load buffer was still owned by a late call / the lookup passed its deadline
+  unannounced      (`--directory`) no node had announced the chain's head: no call made
 
     python benchmarks/kvstore_gap.py [bench_kvstore_cluster's options]
 """
@@ -113,6 +114,8 @@ def analyse(trace, reqs: list[dict], logs: list[dict], block: int) -> None:
             held = put_at.get(h, float("inf")) < t
             if decision == "skip":
                 reason = "rule: held" if held else "rule: not held"
+            elif decision == "unlisted":  # (`--directory`: no node had announced the head)
+                reason = "unannounced: held" if held else "unannounced: not held"
             elif decision in ("busy", "timeout"):
                 reason = decision
             elif held:
@@ -175,15 +178,18 @@ def main() -> None:
         Path(d).mkdir(parents=True, exist_ok=True)
         os.environ["AIOPREFILL_STORE_DIAG"] = d  # the workers inherit it
         with LocalMaster() as m:
+            events = [f"tcp://127.0.0.1:{args.events_port + 2 * i}" for i in range(bench.NODES)]
             store = KVStoreOptions(
                 master=m.address,
                 segment_bytes=args.segment_mb << 20,
                 scratch_blocks=args.scratch_blocks,
+                peer_events=tuple(events) if args.directory else (),
             )
             configs = [EngineConfig(model=model, prefix_cache_bytes=local,
                                     prefix_block_tokens=args.block, kv_store="mooncake",
-                                    kv_store_options=store)
-                       for _ in range(bench.NODES)]  # fmt: skip
+                                    kv_store_options=store,
+                                    kv_events_endpoint=events[i] if args.directory else None)
+                       for i in range(bench.NODES)]  # fmt: skip
             reqs = asyncio.run(run(trace, configs, args.speedup))
         logs = [json.loads(p.read_text()) for p in sorted(Path(d).glob("store-*.json"))]
         (Path(d) / "requests.json").write_text(json.dumps(reqs))

@@ -23,6 +23,7 @@ each batch; the forward's thread only reads (`known_prefix`: dict lookups, atomi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -161,7 +162,9 @@ class StoreDirectory:
     def close(self) -> None:
         if self._thread is None:
             return
-        self._stop.send(_STOP)
+        zmq = import_optional("zmq", "events")
+        with contextlib.suppress(zmq.ZMQError):  # (a thread that died has no reader left)
+            self._stop.send(_STOP, zmq.NOBLOCK)
         self._thread.join(timeout=2.0)
         self._stop.close()
         self._thread = None
