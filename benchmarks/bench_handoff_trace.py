@@ -46,6 +46,7 @@ from aioprefill.shm.channel import Channel
 
 _TRACE = "AIOPREFILL_HANDOFF_TRACE"  # the worker's stamp file (set by the parent per engine)
 _SLOTS = 1 << 16
+_PIN = "AIOPREFILL_HANDOFF_PIN"  # pin the worker to this CPU (the experiment below)
 
 
 def _worker_side() -> None:
@@ -54,6 +55,8 @@ def _worker_side() -> None:
     if not path:
         return
     stamps = np.memmap(path, dtype=np.int64, mode="r+", shape=(3, _SLOTS))
+    if os.environ.get(_PIN):  # the worker on this CPU (the run's parent pinned elsewhere)
+        os.sched_setaffinity(0, {int(os.environ[_PIN])})
     count = [0, 0, 0]  # answers, wakes, gcs
     now = time.monotonic_ns
     send_blocking, wait_blocking = Channel.send_blocking, Channel.wait_blocking
@@ -188,6 +191,7 @@ STEPS = (  # (stamp, column): each column is the time from the stamp before to t
     ("start", "decode"),  # -> the next forward starts (recv + decode)
 )
 AFTER = (("dispatched", "commit"), ("callback done", "rest"))  # after the ring write
+WORST = 5  # the longest gaps listed per run
 
 
 async def run(cache_on: bool, load: str, seconds: float, rate: float, st: EngineStamps) -> str:
@@ -203,7 +207,8 @@ async def run(cache_on: bool, load: str, seconds: float, rate: float, st: Engine
     st.by_batch.clear()
     st.gcs.clear()
 
-    lengths = np.clip(rng.lognormal(np.log(64), 0.5, 8000), 1, 8192).astype(np.int64)
+    count = int(max(rate, 600) * seconds) + 500  # unique prompts: enough for saturation too
+    lengths = np.clip(rng.lognormal(np.log(64), 0.5, count), 1, 8192).astype(np.int64)
     blob = rng.integers(1, 32000, int(lengths.sum()), dtype=np.int32)
     bounds = np.concatenate(([0], np.cumsum(lengths)))
     pool = iter([blob[bounds[i] : bounds[i + 1]] for i in range(len(lengths))])
@@ -279,6 +284,35 @@ async def run(cache_on: bool, load: str, seconds: float, rate: float, st: Engine
         f"{max((b - a for a, b in st.gcs), default=0) / 1e3:.0f} us); "
         f"gap mean without a GC inside {statistics.mean(clean):.0f} us"
     )
+    # The longest gaps between consecutive batches while work waited (a request of the later
+    # one had arrived before the earlier one ended; any hand-off, not only the early ones
+    # above), and what overlapped them.
+    arrived: dict[int, int] = {}
+    for r in results:
+        arrived[r.batch_id] = min(arrived.get(r.batch_id, r.submitted_ns), r.submitted_ns)
+    worst, waited = [], []
+    for batch_id, (start, _) in fwd.items():
+        prev = fwd.get(batch_id - 1)
+        if prev is not None and arrived[batch_id] < prev[1]:
+            waited.append((start - prev[1]) / 1e3)
+        if prev is not None and start - prev[1] > 1_000_000 and arrived[batch_id] < prev[1]:
+            a, b = prev[1], start
+            gcs = [round((y - x) / 1e3) for x, y in st.gcs if x < b and y > a]
+            wgc = [round((y - x) / 1e3) for x, y in wgcs if x < b and y > a]
+            worst.append(((b - a) / 1e3, batch_id, batch_id in st.by_batch, gcs, wgc, a))
+    worst.sort(reverse=True)
+    for gap, batch_id, early, gcs, wgc, a in worst[:WORST]:
+        head += (f"\n  gap {gap:8.0f} us before batch {batch_id} (early hand-off: {early}); "
+                 f"engine GCs inside (us): {gcs}; worker GCs: {wgc}")  # fmt: skip
+        if early:  # the engine's stamps, us after the earlier forward's end
+            marks = ", ".join(f"{k} {(v - a) / 1e3:.0f}" for k, v in st.by_batch[batch_id]
+                              if k != "batch")  # fmt: skip
+            head += f"\n    {marks}"
+    head += f"\n  gaps over 1 ms: {len(worst)}"
+    if waited:  # every gap while work waited (the bench's bubble), not only early hand-offs
+        q = np.percentile(waited, [50, 90, 99])
+        head += (f"\n  all gaps while work waited: {len(waited)}, mean {np.mean(waited):.0f} "
+                 f"p50 {q[0]:.0f} p90 {q[1]:.0f} p99 {q[2]:.0f} max {max(waited):.0f}")  # fmt: skip
     cols = [("gap", gaps)] + [(name, steps[label]) for label, name in STEPS + AFTER]
     names = " ".join(f"{name:>7s}" for name, _ in cols)
     means = " ".join(f"{statistics.mean(xs):7.1f}" for _, xs in cols)
