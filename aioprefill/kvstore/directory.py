@@ -32,7 +32,6 @@ from typing import Any
 
 import msgspec
 
-from aioprefill.kv_events.wire import MASK64
 from aioprefill.optional import import_optional
 
 __all__ = ["StoreDirectory"]
@@ -59,6 +58,9 @@ class _Batch(msgspec.Struct, array_like=True):
 
 _decode = msgspec.msgpack.Decoder(_Batch).decode
 _STOP = b"stop"
+# Hashes as the events carry them: unsigned 64-bit (`kv_events.wire.MASK64`; that package sits
+# above this one, and this reads the wire format with its own structs above anyway).
+MASK64 = (1 << 64) - 1
 
 
 class StoreDirectory:
