@@ -172,6 +172,37 @@ async def test_a_second_node_reads_what_the_first_computed(master):
         )
 
 
+async def test_with_a_directory_a_node_loads_what_another_announced(master):
+    """`KVStoreOptions.peer_events`: each worker follows both nodes' KV events and asks the
+    store only for announced chains; a prompt the other node computed (and announced) loads,
+    with the whole prompt's outputs."""
+    from tests.kv_events.util import endpoints
+
+    (ep_a, replay_a), (ep_b, replay_b) = endpoints(), endpoints()
+
+    def node(ep: str, replay: str) -> EngineConfig:
+        cfg = config(master)
+        cfg.kv_store_options = dataclasses.replace(cfg.kv_store_options, peer_events=(ep_a, ep_b))
+        cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint = ep, replay
+        return cfg
+
+    async with Engine(node(ep_a, replay_a)) as a, Engine(node(ep_b, replay_b)) as b:
+        deadline = time.monotonic() + 30
+        # Both workers subscribed to both nodes (a late one would get a snapshot anyway).
+        while min(a._events.num_subscribers, b._events.num_subscribers) < 2:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the workers never subscribed"
+            await asyncio.sleep(0.02)
+        prompt = ids(21, 100)
+        first = await a.prefill(prompt, prompt_logprobs=True)
+        await asyncio.to_thread(wait_stored, master, prompt)
+        second = await b.prefill(prompt, prompt_logprobs=True)
+        assert second.cached_tokens == 96  # announced by a, so asked for, and loaded
+        assert second.token == first.token == expected_token(prompt)
+        np.testing.assert_array_equal(second.prompt_logprobs, sim_prompt_logprobs(prompt))
+        fresh = await b.prefill(ids(23, 50))  # nobody announced it: computed
+        assert fresh.cached_tokens == 0 and fresh.token == expected_token(ids(23, 50))
+
+
 async def test_blocks_past_the_local_slots_load_into_scratch_slots(master):
     cfg = config(master)
 
