@@ -120,6 +120,11 @@ def cluster_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--events-port", type=int, default=25600, help="node i: this + 2i (+1)")
 
 
+def event_endpoints(args: argparse.Namespace) -> list[str]:
+    """Node i's KV events endpoint (`--events-port` + 2i; its replay socket takes the next)."""
+    return [f"tcp://127.0.0.1:{args.events_port + 2 * i}" for i in range(NODES)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cluster_arguments(ap)
@@ -131,7 +136,7 @@ def main() -> None:
     block_bytes = args.block * args.kv_per_token
     local = args.local_blocks * block_bytes
 
-    events = [f"tcp://127.0.0.1:{args.events_port + 2 * i}" for i in range(NODES)]
+    events = event_endpoints(args)
 
     def cfg(cache: int, master: str | None = None, node: int | None = None) -> EngineConfig:
         extra: dict[str, object] = {}

@@ -178,7 +178,7 @@ def main() -> None:
         Path(d).mkdir(parents=True, exist_ok=True)
         os.environ["AIOPREFILL_STORE_DIAG"] = d  # the workers inherit it
         with LocalMaster() as m:
-            events = [f"tcp://127.0.0.1:{args.events_port + 2 * i}" for i in range(bench.NODES)]
+            events = bench.event_endpoints(args)
             store = KVStoreOptions(
                 master=m.address,
                 segment_bytes=args.segment_mb << 20,
