@@ -1,10 +1,30 @@
 """aioprefill: forward-aware prefill batching for asyncio servers.
 
-async with Engine(EngineConfig(model=PaddleModel(seed=0), num_workers=2)) as engine:
-    result = await engine.prefill(token_ids)
+    async with Engine(EngineConfig(model=PaddleModel(seed=0), num_workers=2)) as engine:
+        result = await engine.prefill(token_ids)
+
+Where things are (bottom layer first; a module imports only from its own layer or below,
+tests/test_layers.py checks it and docs/architecture.md draws it):
+
+    errors, optional, checks   the exception tree, optional imports, field checks
+    shm/                       shared-memory rings and eventfd channels (the transport)
+    hf/                        every file format: config.json, safetensors, GGUF
+    text/                      tokenizer, chat templates, which tokenizer an engine uses
+    models, parallel, config   SimModel / PaddleModel specs, worker arrangement, EngineConfig
+    wire/                      what crosses the process boundary: messages, outputs, KV export
+    transfer/, kvstore/        KV to decode nodes (Mooncake); the prefix cache's second tier
+    workers/                   inside a worker process: the runner, and paddle/ (the model)
+    sched/                     pure bookkeeping: requests, batches, policies/, prefix/ cache
+    result                     PrefillResult
+    engine/                    the Engine on its event loop, and pool/ (the worker processes)
+    kv_events/, metrics        vLLM KV events (ZMQ), the Prometheus exporter
+    serve/, bench/             the HTTP server and the benchmark (python -m ...)
 """
 
 from aioprefill.config import EngineConfig, PaddleModel, SimModel
+from aioprefill.engine.health import EngineHealth
+from aioprefill.engine.loop import Engine
+from aioprefill.engine.stats import EngineStats
 from aioprefill.errors import (
     AioprefillError,
     DeadlineExceeded,
@@ -21,12 +41,9 @@ from aioprefill.errors import (
     WorkerStartFailed,
     WrongLoop,
 )
-from aioprefill.health import EngineHealth
 from aioprefill.kvstore.options import KVStoreOptions
-from aioprefill.loop import Engine
 from aioprefill.result import PrefillResult
-from aioprefill.stats import EngineStats
-from aioprefill.tokenizer import Tokenizer
+from aioprefill.text.tokenizer import Tokenizer
 
 __all__ = [
     "AioprefillError",

@@ -16,8 +16,8 @@ from aioprefill.kvstore.options import KV_STORE_BACKENDS, KVStoreOptions
 from aioprefill.models import ARCHITECTURES, ROPE_TYPES, ModelSpec, PaddleModel, SimModel
 from aioprefill.optional import import_optional
 from aioprefill.parallel import check_parallel
-from aioprefill.text import resolve_tokenizer
-from aioprefill.tokenizer import Tokenizer
+from aioprefill.text.resolve import resolve_tokenizer
+from aioprefill.text.tokenizer import Tokenizer
 from aioprefill.transfer.options import KV_TRANSFER_BACKENDS, TransferOptions
 
 __all__ = [

@@ -3,7 +3,7 @@
 Needs the `prometheus` extra (`pip install 'aioprefill[prometheus]'`). Nothing is recorded
 twice: a custom collector reads one `engine.stats()` snapshot per scrape, so the engine's hot
 path never touches prometheus_client. Histograms use the engine's fixed buckets
-(`aioprefill.histogram`), converted to seconds, so the series of several server processes
+(`aioprefill.engine.histogram`), converted to seconds, so the series of several server processes
 aggregate in PromQL::
 
     registry = metrics.registry_for(engine)            # at startup, once the engine exists
@@ -29,10 +29,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         f"aioprefill.metrics needs prometheus-client: pip install 'aioprefill[prometheus]' ({exc})"
     ) from exc
 
-from aioprefill.histogram import Histogram
+from aioprefill.engine.histogram import Histogram
 
 if TYPE_CHECKING:
-    from aioprefill.stats import EngineStats
+    from aioprefill.engine.stats import EngineStats
 
 __all__ = ["EngineCollector", "registry_for", "render"]
 

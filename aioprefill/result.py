@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from aioprefill.kv import KVExport
+from aioprefill.wire.kv import KVExport
 
 __all__ = ["PrefillResult"]
 

@@ -1,6 +1,7 @@
-"""How a burst is spread over data-parallel workers: policy `forward` (each worker free takes its
-fair share, `aioprefill/policies/share.py`) against `forward-greedy` (the worker free first takes
-everything waiting), on SimModel workers (sleeps: the machine's load moves it little).
+"""How a burst is spread over data-parallel workers: policy `forward` (each worker free takes
+its fair share, `aioprefill/sched/policies/share.py`) against `forward-greedy` (the worker
+free first takes everything waiting), on SimModel workers (sleeps: the machine's load moves it
+little).
 
 The burst is the real12 prompt lengths of `bench_vs_ctranslate2.py` (12 to 900 tokens, 3,356 in
 all) submitted at once; it prints each policy's wall time per round and which worker ran which

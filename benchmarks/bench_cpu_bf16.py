@@ -29,10 +29,10 @@ def main() -> None:
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
     from bench_vs_ctranslate2 import real_prompts
 
-    from aioprefill import protocol
     from aioprefill.models import PaddleModel
-    from aioprefill.workers import paddle_runner
-    from aioprefill.workers.paddle_env import paddle_libs
+    from aioprefill.wire import protocol
+    from aioprefill.workers.paddle import runner as paddle_runner
+    from aioprefill.workers.paddle.env import paddle_libs
     from aioprefill.workers.runner import ForwardBatch
     from tests.hf.smollm2 import gguf_path
 

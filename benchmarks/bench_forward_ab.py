@@ -30,9 +30,9 @@ def child(args: argparse.Namespace) -> None:
     """Runs in the checkout under test (its tree first on sys.path)."""
     import numpy as np
 
-    from aioprefill import protocol
     from aioprefill.models import PaddleModel
-    from aioprefill.workers import paddle_runner
+    from aioprefill.wire import protocol
+    from aioprefill.workers.paddle import runner as paddle_runner
     from aioprefill.workers.runner import ForwardBatch
     from tests.hf.smollm2 import gguf_path
 

@@ -1,5 +1,5 @@
 """The worker's matrix products per layer shape: Paddle's matmul (Intel MKL, the wheel's BLAS)
-against oneDNN's sgemm (`aioprefill.workers.paddle_gemm.Products`, the worker's CPU path), at the
+against oneDNN's sgemm (`aioprefill.workers.paddle.gemm.Products`, the worker's CPU path), at the
 row counts batches have, on real models' shapes (read from tests/data/hf_configs).
 
 Each shape is a `[rows, k] x [k, n]` float32 product as the forward runs it: `qkv` (the
@@ -51,12 +51,12 @@ def main() -> None:
     parser.add_argument("--head-rows", type=int, default=512, help="largest head product")
     args = parser.parse_args()
 
-    from aioprefill.workers.paddle_env import configure_math_libraries, library_versions
+    from aioprefill.workers.paddle.env import configure_math_libraries, library_versions
 
     configure_math_libraries()
     import paddle
 
-    from aioprefill.workers.paddle_gemm import Products
+    from aioprefill.workers.paddle.gemm import Products
 
     paddle.set_device("cpu")
     paddle.base.core.set_num_threads(args.threads)

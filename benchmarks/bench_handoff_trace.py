@@ -116,12 +116,12 @@ class EngineStamps:
             self.gcs.append((self._gc_start, time.monotonic_ns()))
 
     def install(self) -> None:
-        from aioprefill import protocol
-        from aioprefill.batching import StagedBatch
-        from aioprefill.columns import Columns
-        from aioprefill.loop import Engine
-        from aioprefill.pool import pool as pool_mod
-        from aioprefill.scheduler import Scheduler
+        from aioprefill.engine.loop import Engine
+        from aioprefill.engine.pool import pool as pool_mod
+        from aioprefill.sched.batching import StagedBatch
+        from aioprefill.sched.columns import Columns
+        from aioprefill.sched.scheduler import Scheduler
+        from aioprefill.wire import protocol
 
         st = self
         now = time.monotonic_ns

@@ -1,8 +1,8 @@
 """The LM head over every position (prompt log-probabilities), alone: CPU seconds per row of
-`paddle_logits.head_rows` (a vocabulary slice at a time) on tiles of R rows against slices of C
+`paddle.logits.head_rows` (a vocabulary slice at a time) on tiles of R rows against slices of C
 vocabulary rows, and of the rule before it (the whole row's logits per tile, then a float64-
 accumulated log-softmax of a shifted copy), on SmolLM2's head shape (49152 x 576, random
-weights), one thread, the product path of `--gemm` (`paddle_gemm.Products`). Best of `--repeats`.
+weights), one thread, the product path of `--gemm` (`paddle.gemm.Products`). Best of `--repeats`.
 
     python benchmarks/bench_head.py [--gemm onednn,mkl] [--tiles 128,256,512]
         [--chunks 8192,49152] [--rows 2048]
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from aioprefill.workers.paddle_env import configure_math_libraries, keep_freed_memory
+    from aioprefill.workers.paddle.env import configure_math_libraries, keep_freed_memory
 
     configure_math_libraries()
     import numpy as np
@@ -35,8 +35,8 @@ def main() -> None:
 
     keep_freed_memory()
     paddle.base.core.set_num_threads(1)
-    from aioprefill.workers.paddle_gemm import Products
-    from aioprefill.workers.paddle_logits import head_rows
+    from aioprefill.workers.paddle.gemm import Products
+    from aioprefill.workers.paddle.logits import head_rows
 
     rng = np.random.default_rng(0)
     vocab, hidden, n = 49152, 576, args.rows

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from aioprefill import Engine, EngineConfig, PaddleModel
-from aioprefill.workers.weights import random_weights, save_weights
+from aioprefill.hf.weights import random_weights, save_weights
 
 
 def config_json(spec: PaddleModel) -> dict:

@@ -37,7 +37,7 @@ B = 16  # block tokens
 
 def _runner(deterministic: bool, threads: int, blocks: int, block_tokens: int = B):
     from aioprefill import PaddleModel
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
     from tests.hf.smollm2 import gguf_path
 
     spec = PaddleModel.from_pretrained(
@@ -59,9 +59,9 @@ def _text(n: int) -> np.ndarray:
 
 
 def diffs(args: argparse.Namespace) -> None:
-    from aioprefill import protocol
-    from aioprefill.kv import kv_layout
     from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
+    from aioprefill.wire import protocol
+    from aioprefill.wire.kv import kv_layout
     from tests.model.batches import make_batch
     from tests.model.prefix import ALL, FIELDS, concat_outputs, planned, with_options
 
@@ -140,7 +140,7 @@ def _golden() -> np.ndarray:
 
 
 def cost(args: argparse.Namespace) -> None:
-    from aioprefill import protocol
+    from aioprefill.wire import protocol
     from tests.model.batches import make_batch
     from tests.model.prefix import planned, with_options
 
@@ -220,7 +220,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     sys.path.append(str(ROOT))  # after PYTHONPATH: the code measured may be another checkout
-    from aioprefill.workers.paddle_env import library_versions
+    from aioprefill.workers.paddle.env import library_versions
 
     print(f"$ python benchmarks/bench_hit_exact.py {' '.join(sys.argv[1:])}")
     print(f"{library_versions()}, {args.threads} thread(s)", flush=True)

@@ -37,10 +37,10 @@ import time
 import numpy as np
 
 from aioprefill import Engine, EngineConfig, SimModel
-from aioprefill.kv import KVExports
 from aioprefill.models import PaddleModel
 from aioprefill.shm.segments import create_segment
 from aioprefill.transfer import TransferOptions
+from aioprefill.wire.kv import KVExports
 
 SPEC = PaddleModel(
     num_layers=32, num_heads=32, num_kv_heads=8, hidden_size=4096, dtype="bfloat16",

@@ -5,7 +5,7 @@ model (read from tests/data/hf_configs), for whoever next works on the CPU worke
    is each row's result bitwise the one it gets in the 1,050-row product? MKL takes another
    kernel below some M, and a row's rounding then moves (a prefix-cache hit's suffix, a
    short chunk, a small batch). Printed: the row counts that differ, per thread count, for
-   each product path of `--gemm` (MKL: Paddle's matmul; oneDNN: `paddle_gemm`'s dnnl_sgemm).
+   each product path of `--gemm` (MKL: Paddle's matmul; oneDNN: `paddle.gemm`'s dnnl_sgemm).
 2. **Packed weights** (`cblas_sgemm_pack` once, `cblas_sgemm_compute` per product, both in
    the wheel's libmklml_intel.so): GFLOP/s against plain `cblas_sgemm` on the same tensors
    (alternating, the median of `--repeats`, CPU time of this thread), whether the results are
@@ -51,7 +51,7 @@ def row_invariance(model: str, threads: int, gemm: str) -> None:
     import paddle
 
     os.environ["AIOPREFILL_CPU_GEMM"] = gemm
-    from aioprefill.workers.paddle_gemm import Products
+    from aioprefill.workers.paddle.gemm import Products
 
     paddle.set_device("cpu")
     paddle.base.core.set_num_threads(threads)
@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--part", choices=("rows", "packed"), help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from aioprefill.workers.paddle_env import configure_math_libraries, keep_freed_memory
+    from aioprefill.workers.paddle.env import configure_math_libraries, keep_freed_memory
 
     configure_math_libraries()  # as a worker: MKL's AVX2 kernels on AMD, freed memory kept
     keep_freed_memory()
@@ -138,7 +138,7 @@ def main() -> None:
         return row_invariance(args.model, args.n, args.gemm)
     if args.part == "packed":
         return packed(args.model, args.repeats)
-    from aioprefill.workers.paddle_env import library_versions
+    from aioprefill.workers.paddle.env import library_versions
 
     print(f"{args.model}: {library_versions()}")
     print(f"1. row counts (of {ROWS}) whose rows differ from the same rows in a 1,050-row product")

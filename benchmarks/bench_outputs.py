@@ -33,10 +33,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from aioprefill import protocol
 from aioprefill.config import PaddleModel
-from aioprefill.kv import KVExports, kv_layout
 from aioprefill.shm.segments import create_segment, segment_name, unlink_segment
+from aioprefill.wire import protocol
+from aioprefill.wire.kv import KVExports, kv_layout
 from aioprefill.workers.kv_writer import KVSegmentWriter
 from aioprefill.workers.runner import ForwardBatch
 
@@ -117,7 +117,7 @@ def section_a(runner, rng, repeats: int) -> None:
 def section_b(runner, spec: PaddleModel, rng, repeats: int, tokens: int) -> None:
     import paddle
 
-    from aioprefill.workers.paddle_attention import KVCache, export_layer
+    from aioprefill.workers.paddle.attention import KVCache, export_layer
 
     layout = kv_layout(spec)
     nbytes = layout.nbytes(tokens)
@@ -197,10 +197,10 @@ def section_b(runner, spec: PaddleModel, rng, repeats: int, tokens: int) -> None
 def section_c(repeats: int) -> None:
     import paddle
 
-    from aioprefill.workers.paddle_logits import _slice_rows
+    from aioprefill.workers.paddle.logits import _slice_rows
 
     print("\nc. log-softmax over 32000 logits: paddle float32 sum (before) vs the head's NumPy")
-    print("   reduction (paddle_logits: in place, pairwise float32 sum; timed with a copy)")
+    print("   reduction (paddle.logits: in place, pairwise float32 sum; timed with a copy)")
     rng = np.random.default_rng(0)
     print(f"{'rows':>5} {'old ms':>8} {'new ms':>8} {'x':>6} {'old err':>9} {'new err':>9}")
     for rows in (1, 16, 512):
@@ -279,7 +279,7 @@ def main() -> None:
     ap.add_argument("--sections", default="abcd", help="which sections to run (default abcd)")
     args = ap.parse_args()
     repeats = 3 if args.quick else args.repeats
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
 
     spec = PaddleModel(seed=0, device="cpu", num_threads=1)
     runner = PaddleRunner(spec)

@@ -12,7 +12,7 @@ c. The cost of `deterministic=True` (bitwise batch invariance) against the defau
 d. A least-squares fit of `a + b*tokens + c*sum(len^2)` over a grid of batch shapes, weighted
    by relative error: the numbers for a `SimModel` preset fitted to this CPU.
 e. Worker start: from `Process.start()` to the first forward done in the child, under `spawn`
-   and under a `forkserver` with `aioprefill.workers.paddle_runner` preloaded (cold: the first
+   and under a `forkserver` with `aioprefill.workers.paddle.runner` preloaded (cold: the first
    start also starts the server; warm: later starts).
 
 Every time is the median of `--repeats` runs; the tables give wall-clock ms and the process's
@@ -147,7 +147,7 @@ def _fit(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
 
 def _child(conn: Any, threads: int) -> None:
     """A worker's start: import, build the model, one forward; report monotonic_ns stamps."""
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
 
     imported = time.monotonic_ns()
     runner = PaddleRunner(PaddleModel(seed=0, num_threads=threads))
@@ -177,7 +177,7 @@ def start_once(ctx: Any, threads: int) -> dict[str, float]:
 def section_e(threads: int, repeats: int) -> dict[str, Any]:
     spawn = mp.get_context("spawn")
     fork_server = mp.get_context("forkserver")
-    fork_server.set_forkserver_preload(["aioprefill.workers.paddle_runner"])
+    fork_server.set_forkserver_preload(["aioprefill.workers.paddle.runner"])
     cold = start_once(fork_server, threads)
     warm = [start_once(fork_server, threads) for _ in range(repeats)]
     spawned = [start_once(spawn, threads) for _ in range(repeats)]
@@ -281,7 +281,7 @@ def main() -> None:
     args = parser.parse_args()
     repeats = 2 if args.quick else args.repeats
 
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
 
     rng = np.random.default_rng(0)
     runner = PaddleRunner(PaddleModel(seed=0, num_threads=args.threads))

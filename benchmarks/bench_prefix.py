@@ -30,10 +30,10 @@ import numpy as np
 import uvloop
 
 from aioprefill import Engine, EngineConfig, SimModel
-from aioprefill.columns import Columns
-from aioprefill.core import Budget, InFlightBatch
-from aioprefill.prefix import PrefixCache, block_hashes
-from aioprefill.scheduler import Scheduler
+from aioprefill.sched.columns import Columns
+from aioprefill.sched.prefix import PrefixCache, block_hashes
+from aioprefill.sched.scheduler import Scheduler
+from aioprefill.sched.units import Budget, InFlightBatch
 
 
 def hashing(repeats: int) -> tuple[float, int]:

@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--engine", action="store_true", help="only d., through the engine")
     args = parser.parse_args()
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
     from tests.hf.smollm2 import gguf_path
 
     if args.engine:

@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import uvloop
 
-import aioprefill.batching as batching
-import aioprefill.prefix.cache as prefix_cache
-import aioprefill.prefix.plan as prefix_plan
-import aioprefill.scheduler as scheduler
+import aioprefill.sched.batching as batching
+import aioprefill.sched.prefix.cache as prefix_cache
+import aioprefill.sched.prefix.plan as prefix_plan
+import aioprefill.sched.scheduler as scheduler
 from aioprefill import Engine, EngineConfig
 from aioprefill.bench.presets import SIM_PRESETS
-from aioprefill.pool import pool as pool_module
+from aioprefill.engine.pool import pool as pool_module
 
 CALLS: dict[str, list[float]] = collections.defaultdict(list)
 ENTERED = [0]

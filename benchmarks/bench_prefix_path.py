@@ -31,11 +31,11 @@ import time
 
 import numpy as np
 
-from aioprefill import protocol
-from aioprefill.columns import Columns
-from aioprefill.core import Budget, InFlightBatch
-from aioprefill.prefix import PrefixCache
-from aioprefill.scheduler import Scheduler
+from aioprefill.sched.columns import Columns
+from aioprefill.sched.prefix import PrefixCache
+from aioprefill.sched.scheduler import Scheduler
+from aioprefill.sched.units import Budget, InFlightBatch
+from aioprefill.wire import protocol
 
 
 class _Slot:

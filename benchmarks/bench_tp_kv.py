@@ -38,7 +38,7 @@ def _rank(rank: int, master: str, out: multiprocessing.Queue) -> None:
     import paddle
 
     from aioprefill.workers.collectives import PaddleGroup
-    from aioprefill.workers.paddle_shard import Shard
+    from aioprefill.workers.paddle.shard import Shard
 
     group = PaddleGroup(rank, 2, master)
     agree = Shard(PaddleModel(seed=0), group, "tp").kv_share().agree

@@ -50,9 +50,9 @@ from multiprocessing.reduction import DupFd
 import numpy as np
 import uvloop
 
-from aioprefill import protocol
-from aioprefill.protocol import BatchResult, PrefillBatch, Shutdown
 from aioprefill.shm.channel import Channel, ChannelSpec
+from aioprefill.wire import protocol
+from aioprefill.wire.protocol import BatchResult, PrefillBatch, Shutdown
 
 NUM_REQUESTS = 64
 TOKENS_PER_REQUEST = 512

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from aioprefill.engine.validate import validate_prompt
 from aioprefill.errors import InvalidRequest
-from aioprefill.validate import validate_prompt
 
 VOCAB = 32000
 

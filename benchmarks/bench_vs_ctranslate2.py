@@ -21,7 +21,7 @@ the burst's wall time.
 Settings, each side on `--threads` CPU threads in all:
 - aioprefill `WxT[/B][:gemm][@policy]`: W workers of T threads, `max_batch_tokens` B (default
   8192), the worker's CPU product path `gemm` (`onednn` or `mkl`: `AIOPREFILL_CPU_GEMM`, see
-  `aioprefill/workers/paddle_env.py`), the dispatch `policy` (default `forward`;
+  `aioprefill/workers/paddle/env.py`), the dispatch `policy` (default `forward`;
   `forward-greedy`: the rule before the fair share); the prefix cache off (CTranslate2 keeps
   none, and every round repeats the same prompts);
 - CTranslate2 `IxT/B`: `inter_threads` I, `intra_threads` T, `max_batch_size` B (0: one batch).
@@ -59,7 +59,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "vs_ctranslate2.json"
 REAL_LENGTHS = (12, 24, 40, 64, 96, 140, 200, 280, 380, 520, 700, 900)
-REAL_SOURCES = ("docs/architecture.md", "aioprefill/shm/ring.py", "README.md", "aioprefill/loop.py")
+REAL_SOURCES = (
+    *("docs/architecture.md", "aioprefill/shm/ring.py"),
+    *("README.md", "aioprefill/engine/loop.py"),
+)
 
 
 def _gguf() -> Path:
@@ -366,7 +369,7 @@ def _agreement(got: dict, workload: str) -> dict:
 def _aio_libraries() -> dict:
     """The libraries the aioprefill workers multiply with, and what `auto` picks on this CPU
     (each setting names its own path; read without importing paddle)."""
-    from aioprefill.workers.paddle_env import CPU_GEMM_ENV, library_versions
+    from aioprefill.workers.paddle.env import CPU_GEMM_ENV, library_versions
 
     os.environ.pop(CPU_GEMM_ENV, None)
     return library_versions()

@@ -40,7 +40,7 @@ import numpy as np
 from aioprefill import Engine, EngineConfig, KVStoreOptions, SimModel
 from aioprefill.bench.presets import SIM_PRESETS
 from aioprefill.kvstore.master import LocalMaster
-from aioprefill.prefix.hashing import block_hashes
+from aioprefill.sched.prefix.hashing import block_hashes
 
 # A worker's log time and the request's (the engine's clock, converted) disagree by up to
 # tens of ms on the busy host: an ask counts as the request's until this long after its end.

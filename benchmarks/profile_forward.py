@@ -35,10 +35,10 @@ def main() -> None:
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
     from bench_paddle_model import make_batch
 
-    from aioprefill import protocol
     from aioprefill.models import PaddleModel
-    from aioprefill.workers import paddle_runner
-    from aioprefill.workers.paddle_env import library_versions
+    from aioprefill.wire import protocol
+    from aioprefill.workers.paddle import runner as paddle_runner
+    from aioprefill.workers.paddle.env import library_versions
     from tests.hf.smollm2 import gguf_path
 
     n, length = (int(x) for x in args.batch.split("x"))

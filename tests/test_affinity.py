@@ -18,7 +18,7 @@ from aioprefill import (
     SimModel,
     WrongLoop,
 )
-from aioprefill.affinity import LoopAffinity
+from aioprefill.engine.affinity import LoopAffinity
 from aioprefill.workers.sim import expected_token
 
 

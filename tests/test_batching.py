@@ -2,7 +2,7 @@
 
 from collections import deque
 
-from aioprefill.batching import (
+from aioprefill.sched.batching import (
     Budget,
     Request,
     StagedBatch,

@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 from aioprefill import Tokenizer
-from aioprefill.chat_template import ChatTemplateError, render_chat
 from aioprefill.errors import InvalidRequest
+from aioprefill.text.chat_template import ChatTemplateError, render_chat
 from tests.tokenizer_files import SMOLLM2_DIR, smollm2_gguf
 
 HI = [{"role": "user", "content": "hi"}]

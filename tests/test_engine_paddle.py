@@ -70,7 +70,7 @@ async def test_chunked_prefill_equals_unchunked():
 
 @pytest.mark.asyncio
 async def test_weights_file_loads_and_bad_files_fail_the_start(tmp_path: Path):
-    from aioprefill.workers.weights import random_weights, save_weights
+    from aioprefill.hf.weights import random_weights, save_weights
 
     seeded = small(seed=5)
     weights = random_weights(seeded, 5)

@@ -23,7 +23,7 @@ from aioprefill import (
     SimModel,
     Tokenizer,
 )
-from aioprefill.tokenizer import OFF_LOOP_CHARS
+from aioprefill.text.tokenizer import OFF_LOOP_CHARS
 from aioprefill.workers.sim import expected_token
 from tests.model.batches import SMALL
 from tests.tokenizer_files import ROOT, smollm2_gguf

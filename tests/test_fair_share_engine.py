@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from aioprefill import Engine, EngineConfig, SimModel, WorkerCrashed
-from aioprefill.scheduler import Scheduler
+from aioprefill.sched.scheduler import Scheduler
 from aioprefill.workers.sim import expected_token
 from tests.reliability.util import all_ready, until
 

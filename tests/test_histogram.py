@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from aioprefill.histogram import TIME_US_BOUNDS, Histogram, HistogramRecorder
+from aioprefill.engine.histogram import TIME_US_BOUNDS, Histogram, HistogramRecorder
 
 
 def test_samples_land_in_prometheus_le_buckets():

@@ -19,8 +19,8 @@ import pytest
 
 from aioprefill import Engine, EngineConfig, EngineOverloaded, ForwardFailed, InvalidRequest
 from aioprefill.errors import KVBudgetExceeded, KVExportClosed, WorkerCrashed
-from aioprefill.kv import SIM_KV_LAYOUT
 from aioprefill.shm.segments import cleanup_stale_segments, owner_pid
+from aioprefill.wire.kv import SIM_KV_LAYOUT
 from aioprefill.workers.sim import sim_kv
 from tests.conftest import own_segments
 from tests.reliability.util import sim, until_sent, wait_dead
@@ -166,7 +166,7 @@ def test_a_caller_that_dies_holding_exports_leaks_nothing(mode: str):
 def test_a_retry_replaces_the_half_written_export_of_a_dead_worker():
     """The engine keeps a request's segment name across retries: a worker that died part-way
     through writing leaves the segment behind, and the retry's writer replaces it."""
-    from aioprefill.kv import KVExports
+    from aioprefill.wire.kv import KVExports
     from aioprefill.workers.kv_writer import KVSegmentWriter
 
     ledger = KVExports(sim(), 1 << 20)

@@ -7,7 +7,7 @@ from collections import deque
 
 import pytest
 
-from aioprefill.batching import Budget, Request, split_step
+from aioprefill.sched.batching import Budget, Request, split_step
 
 BUDGET = Budget(max_batch_tokens=100, max_batch_size=4)
 

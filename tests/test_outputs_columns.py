@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aioprefill import protocol
-from aioprefill.batching import make_prefill_batch
 from aioprefill.config import SimModel
 from aioprefill.errors import ProtocolError
-from aioprefill.kv import KVExports
-from aioprefill.outputs import ResultColumns, option_columns, parse_outputs
-from aioprefill.protocol import BatchResult
+from aioprefill.sched.batching import make_prefill_batch
+from aioprefill.wire import protocol
+from aioprefill.wire.kv import KVExports
+from aioprefill.wire.outputs import ResultColumns, option_columns, parse_outputs
+from aioprefill.wire.protocol import BatchResult
 
 
 def parse(**kw):

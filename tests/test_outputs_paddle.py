@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aioprefill import Engine, EngineConfig
-from aioprefill.workers.weights import random_weights
+from aioprefill.hf.weights import random_weights
 from tests.model.batches import SMALL
 from tests.model.reference import as64, decode_logits, full
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from aioprefill import protocol
 from aioprefill.config import EngineConfig, PaddleModel, SimModel
+from aioprefill.engine.pool.process import WorkerHandle
 from aioprefill.errors import InvalidConfig
 from aioprefill.parallel import ParallelInfo, ParallelLayout
-from aioprefill.pool.process import WorkerHandle
+from aioprefill.wire import protocol
 
 MOE = PaddleModel(num_experts=8, num_experts_per_tok=2)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aioprefill import Engine, EngineConfig, ForwardFailed, InvalidRequest, SimModel
-from aioprefill.scheduler import Scheduler
+from aioprefill.sched.scheduler import Scheduler
 from aioprefill.workers.sim import (
     expected_logprob,
     expected_token,

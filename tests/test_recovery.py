@@ -1,8 +1,8 @@
 """Recovery decisions on plain data: who is retried after a death, and the restart backoff."""
 
-from aioprefill.batching import Chunk, Request
-from aioprefill.pool.backoff import RestartBackoff
-from aioprefill.recovery import plan_recovery
+from aioprefill.engine.pool.backoff import RestartBackoff
+from aioprefill.engine.recovery import plan_recovery
+from aioprefill.sched.batching import Chunk, Request
 from tests.policies.fake_pool import FakeBatch
 
 

@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from aioprefill.batching import Budget
-from aioprefill.scheduler import Scheduler
+from aioprefill.sched.batching import Budget
+from aioprefill.sched.scheduler import Scheduler
 from tests.policies.fake_pool import FakePool
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from aioprefill import InvalidConfig, InvalidRequestType, Tokenizer
-from aioprefill.tokenizer import OFF_LOOP_CHARS
+from aioprefill.text.tokenizer import OFF_LOOP_CHARS
 from tests.tokenizer_files import smollm2_gguf, write_gguf
 
 TEXTS = [

@@ -1,5 +1,5 @@
-"""Long texts tokenized in pieces (`aioprefill.tokenizer_chunks`): the ids equal the whole text's,
-and tokenizers whose splits could cross a cut are tokenized whole."""
+"""Long texts tokenized in pieces (`aioprefill.text.chunks`): the ids equal the whole
+text's, and tokenizers whose splits could cross a cut are tokenized whole."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import random
 import pytest
 
 from aioprefill import Tokenizer
-from aioprefill.tokenizer_chunks import PIECE_CHARS, cut, wrap_if_local
-from aioprefill.tokenizer_gguf import KNOWN_SPLITS
+from aioprefill.text.chunks import PIECE_CHARS, cut, wrap_if_local
+from aioprefill.text.gguf_vocab import KNOWN_SPLITS
 from tests.test_tokenizer import TEXTS
 from tests.tokenizer_files import SMOLLM2_DIR, smollm2_gguf
 

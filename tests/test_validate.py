@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from aioprefill import InvalidRequest, InvalidRequestType
-from aioprefill.validate import validate_prompt
+from aioprefill.engine.validate import validate_prompt
 
 VOCAB = 32000
 

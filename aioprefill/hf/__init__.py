@@ -57,7 +57,7 @@ def spec_from_pretrained(
     """The `PaddleModel` (`cls`, passed in: this package sits below the specs and never imports
     them) of a checkpoint directory (or a `.gguf` file), `overrides` applied, its tensors checked
     against it (headers only: nothing is loaded here)."""
-    from aioprefill.workers.weights import check_checkpoint
+    from aioprefill.hf.weights import check_checkpoint
 
     directory = Path(os.fspath(path)).resolve()
     if directory.suffix == ".gguf" and directory.is_file():

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from aioprefill.config import EngineConfig
-from aioprefill.loop import Engine
+from aioprefill.engine.loop import Engine
 from aioprefill.serve import render
 from aioprefill.serve.auth import APIKeys, is_protected
 from aioprefill.serve.errors import HTTPError, error_body, error_status

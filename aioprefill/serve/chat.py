@@ -1,6 +1,6 @@
 """POST /v1/chat/completions on a prefill engine: the conversation rendered with the model's chat
-template (`aioprefill.chat_template`, as transformers' `apply_chat_template` renders it), then one
-engine request, answered in OpenAI's chat shape.
+template (`aioprefill.text.chat_template`, as transformers' `apply_chat_template` renders
+it), then one engine request, answered in OpenAI's chat shape.
 
 `max_tokens` / `max_completion_tokens` is 0 (prefill only) or 1 (the greedy first token); more is
 a 400, as for completions. `logprobs` + `top_logprobs` (<= 20) give the token's logprob, its
@@ -18,7 +18,6 @@ from typing import Any
 
 import msgspec
 
-from aioprefill.chat_template import render_chat
 from aioprefill.errors import InvalidRequest
 from aioprefill.result import PrefillResult
 from aioprefill.serve.completions import MAX_LOGPROBS
@@ -34,6 +33,7 @@ from aioprefill.serve.schemas import (
     PromptTokensDetails,
     Usage,
 )
+from aioprefill.text.chat_template import render_chat
 
 __all__ = ["chat_body", "chat_prompt", "check_chat", "plain_messages", "prefill_options"]
 

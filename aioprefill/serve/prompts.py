@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from aioprefill.engine.validate import validate_prompt
 from aioprefill.errors import InvalidRequest
 from aioprefill.serve.errors import HTTPError
-from aioprefill.validate import validate_prompt
 
 __all__ = ["Prompt", "TokenizerLike", "parse_prompts", "token_text"]
 
 
 class TokenizerLike(Protocol):
-    """What the server uses of `aioprefill.tokenizer.Tokenizer`."""
+    """What the server uses of `aioprefill.text.tokenizer.Tokenizer`."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def encode_with_offsets(

@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
+from aioprefill.engine.validate import validate_prompt
 from aioprefill.serve.routes import Service, decode_body
 from aioprefill.serve.schemas import ChatRequest, CompletionRequest, RenderedPrompt
-from aioprefill.validate import validate_prompt
 
 __all__ = ["render_chat", "render_completions"]
 

@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 
 import aioprefill
+from aioprefill.engine.loop import Engine
 from aioprefill.errors import InvalidRequest
-from aioprefill.loop import Engine
 from aioprefill.result import PrefillResult
 from aioprefill.serve import chat, completions
 from aioprefill.serve.auth import cache_salt

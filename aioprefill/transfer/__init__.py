@@ -25,7 +25,7 @@ __all__ = ["PulledKV", "TransferOptions", "pull_kv", "release_kv"]
 
 def __getattr__(name: str) -> Any:
     # The decode side is imported on first use: aioprefill.config imports this package for
-    # TransferOptions, and the decode side imports aioprefill.kv, which imports the config.
+    # TransferOptions, and the decode side imports aioprefill.wire.kv, which imports the config.
     if name in ("PulledKV", "pull_kv", "release_kv"):
         from aioprefill.transfer import pull
 

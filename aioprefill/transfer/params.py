@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import msgspec
 
 from aioprefill.errors import InvalidRequest
-from aioprefill.kv import KVLayout
+from aioprefill.wire.kv import KVLayout
 
 __all__ = ["KEYS_ROPE_APPLIED", "VERSION", "LayoutParams", "TransferParams", "parse_params"]
 

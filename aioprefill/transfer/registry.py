@@ -1,7 +1,7 @@
 """`TransferRegistry`, engine side of KV transfer: the engine process's one Mooncake transfer
 engine, and every open KV export registered with it.
 
-Life of an export with `EngineConfig(kv_transfer="mooncake")` (the ledger, `aioprefill.kv`,
+Life of an export with `EngineConfig(kv_transfer="mooncake")` (the ledger, `aioprefill.wire.kv`,
 calls these hooks):
 
 1. `start()` on the first `return_kv` request (before it is queued: a failure to start is the
@@ -36,7 +36,7 @@ from aioprefill.transfer.options import TransferOptions
 from aioprefill.transfer.params import VERSION, LayoutParams, TransferParams
 
 if TYPE_CHECKING:
-    from aioprefill.kv import KVExport
+    from aioprefill.wire.kv import KVExport
 
 __all__ = ["TransferRegistry"]
 

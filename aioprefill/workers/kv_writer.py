@@ -1,6 +1,6 @@
 """Worker side of a KV export: open the segment the engine named and write K/V into it.
 
-The engine names every export's segment (`aioprefill.kv`). The worker that runs the prompt's
+The engine names every export's segment (`aioprefill.wire.kv`). The worker that runs the prompt's
 last chunk creates it (0600, untracked: the engine owns it once the result arrives) and writes
 straight into NumPy views of it. The name may already exist: the engine hands out a segment a
 closed export left behind (its pages already faulted in: writing it runs at memcpy speed, a
@@ -22,8 +22,8 @@ import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aioprefill.kv import KVLayout
 from aioprefill.shm.segments import attach_segment, create_segment
+from aioprefill.wire.kv import KVLayout
 from aioprefill.workers.runner import ForwardBatch
 
 __all__ = ["ALONE", "KVSegmentWriter", "KVShare", "KVWriters", "open_writers"]

@@ -25,8 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from aioprefill import protocol
-from aioprefill.protocol import (
+from aioprefill.shm import spill
+from aioprefill.shm.channel import Channel
+from aioprefill.wire import protocol
+from aioprefill.wire.protocol import (
     BatchDone,
     BatchFailed,
     BatchResult,
@@ -36,8 +38,6 @@ from aioprefill.protocol import (
     Spilled,
     StartFailed,
 )
-from aioprefill.shm import spill
-from aioprefill.shm.channel import Channel
 from aioprefill.workers.group import EXIT_GROUP_BROKEN, CollectiveError
 from aioprefill.workers.runner import ForwardBatch, ModelRunner
 from aioprefill.workers.store_hook import StoreHook, make_hook
@@ -54,7 +54,7 @@ def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
     grouped = place.size > 1
     if isinstance(spec.model, PaddleModel):
         try:
-            from aioprefill.workers.paddle_runner import PaddleRunner
+            from aioprefill.workers.paddle.runner import PaddleRunner
         except ModuleNotFoundError as exc:  # EngineConfig checks first; this is the backstop
             raise ModuleNotFoundError(f"{exc}; PaddleModel needs {PADDLE_EXTRA_HINT}") from exc
 

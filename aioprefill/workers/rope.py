@@ -1,6 +1,6 @@
 """RoPE inverse frequencies for a `PaddleModel`: plain, linearly scaled, or Llama 3's scaling.
 
-NumPy only, in float64 (`paddle_weights.rope_tables` builds the cos/sin tables from these and
+NumPy only, in float64 (`paddle.weights.rope_tables` builds the cos/sin tables from these and
 casts them to the model's dtype). The formulas follow `transformers`' `modeling_rope_utils` for
 the same settings.
 """

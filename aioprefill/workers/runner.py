@@ -5,7 +5,7 @@ longer prompt: `start_pos > 0` means earlier chunks were run by this same worker
 kept their state (the KV cache); `is_last` says the chunk ends the prompt, so the runner returns
 a result for it and drops its state. `SimRunner` and `PaddleRunner` implement this.
 
-Output options ride along per request (`options`: `OPT_*` bits from `aioprefill.protocol`,
+Output options ride along per request (`options`: `OPT_*` bits from `aioprefill.wire.protocol`,
 `top_k`, `kv_names`) on every chunk of a prompt; a runner computes only what was asked:
 
 - prompt log-probabilities: one float32 per token of the chunk that has a predecessor
@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from aioprefill.protocol import OPT_RETURN_KV
+from aioprefill.wire.protocol import OPT_RETURN_KV
 
 __all__ = ["ForwardBatch", "ForwardOutput", "ModelRunner"]
 

@@ -8,7 +8,7 @@ equals the unchunked one and tests can check each caller got its own answer.
 The output options get synthetic but deterministic values, each a function of the prompt
 alone (so batch- and chunk-invariant), with the shapes and types a real model gives: the
 `sim_*` functions below say what a `SimModel` worker returns; the KV export has the shape of
-`aioprefill.kv.SIM_KV_LAYOUT` and the embedding `SIM_EMBED_DIM` values.
+`aioprefill.wire.kv.SIM_KV_LAYOUT` and the embedding `SIM_EMBED_DIM` values.
 
 Its prefix cache has the slots a real worker would have for the same budget (`cache_blocks`:
 `prefix_cache_bytes // (block_tokens * SimModel.kv_bytes_per_token)`); as its "KV", a slot
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aioprefill import protocol
-from aioprefill.kv import SIM_KV_LAYOUT
 from aioprefill.models import SimModel
+from aioprefill.wire import protocol
+from aioprefill.wire.kv import SIM_KV_LAYOUT
 from aioprefill.workers.barrier import SocketBarrier
 from aioprefill.workers.kv_writer import KVWriters, open_writers
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput

@@ -42,12 +42,12 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
-from aioprefill import protocol
 from aioprefill.kvstore.diag import DIAG
 from aioprefill.kvstore.identity import StoreIdentity, weights_digest
 from aioprefill.kvstore.options import KVStoreOptions
 from aioprefill.kvstore.tier import StoreTier
 from aioprefill.models import PaddleModel, SimModel
+from aioprefill.wire import protocol
 from aioprefill.workers.runner import ForwardBatch
 
 __all__ = ["StoreHook", "identity_for", "make_hook"]

@@ -27,8 +27,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aioprefill import InvalidRequest
-from aioprefill.text import no_tokenizer
-from aioprefill.validate import validate_prompt
+from aioprefill.engine.validate import validate_prompt
+from aioprefill.text.resolve import no_tokenizer
 from aioprefill.workers.sim import expected_token
 
 pytestmark = [

@@ -282,7 +282,7 @@ def test_weights_accepts_a_directory() -> None:
     by_hand = PaddleModel(
         **{**msgspec.structs.asdict(spec), "weights": str(DATA / "llama_linear_sharded")}
     )
-    from aioprefill.workers.weights import load_weights
+    from aioprefill.hf.weights import load_weights
 
     a, b = load_weights(spec.weights, spec), load_weights(by_hand.weights, by_hand)
     assert a.keys() == b.keys() and len(a) == 1 + 2 * 9 + 2

@@ -17,9 +17,9 @@ import pytest
 
 from aioprefill import Engine, EngineConfig, PaddleModel
 from aioprefill.errors import InvalidConfig
+from aioprefill.hf import gguf_weights
 from aioprefill.hf.gguf import hf_name, read_header, unpermute
-from aioprefill.workers import gguf_weights
-from aioprefill.workers.weights import model_weights, random_weights
+from aioprefill.hf.weights import model_weights, random_weights
 from tests.hf.gguf_files import gguf_name, permute, quantized, write_gguf
 from tests.model.batches import small
 
@@ -129,7 +129,7 @@ def test_a_k_quant_reads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
 async def test_a_quantized_file_through_the_engine(tmp_path: Path) -> None:
     """Q8_0 dequantized in the worker: the engine's tokens and logprobs are those of a spec
     holding the same dequantized weights (a safetensors file), solo and batched."""
-    from aioprefill.workers.weights import save_weights
+    from aioprefill.hf.weights import save_weights
     from tests.model.batches import make_batch, runner
 
     path = write_gguf(tmp_path / "m.gguf", SPEC, _weights(), Q.Q8_0)

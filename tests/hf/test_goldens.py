@@ -56,7 +56,7 @@ async def test_golden_through_the_engine(name: str) -> None:
 
 
 def _runner_logprobs(spec: PaddleModel, prompts: list[list[int]]) -> np.ndarray:
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
     from tests.model.batches import make_batch
 
     out = PaddleRunner(spec).forward(make_batch([np.asarray(p) for p in prompts]))
@@ -97,7 +97,7 @@ async def test_mistral_prompts_past_the_window_are_refused() -> None:
 
 @pytest.mark.parametrize("name", ["qwen2_bias", "qwen3_qk_norm"])
 def test_deterministic_mode_stays_bitwise_with_bias_and_qk_norm(name: str) -> None:
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
     from tests.model.batches import make_batch
 
     prompts = [np.asarray(p) for p in expected(name)["prompts"]]
@@ -110,7 +110,7 @@ def test_deterministic_mode_stays_bitwise_with_bias_and_qk_norm(name: str) -> No
 
 
 def test_runner_refuses_positions_past_the_window() -> None:
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
     from tests.model.batches import make_batch
 
     runner = PaddleRunner(PaddleModel.from_pretrained(DATA / "mistral_window"))

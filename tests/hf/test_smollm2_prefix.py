@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from aioprefill import PaddleModel, protocol
-from aioprefill.kv import kv_layout
 from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
+from aioprefill.wire.kv import kv_layout
 from tests.hf.smollm2 import gguf_path, goldens
 from tests.model.batches import make_batch
 from tests.model.prefix import ALL, check_same, concat_outputs, planned, with_options
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_smollm2_hit_equals_miss(deterministic: bool) -> None:
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
 
     spec = PaddleModel.from_pretrained(gguf_path(), device="cpu", deterministic=deterministic)
     runner = PaddleRunner(spec, prefix_cache_bytes=16 * 776_834, block_tokens=16)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from aioprefill import Engine, EngineConfig, InvalidConfig, SimModel
-from aioprefill.prefix.hashing import block_hashes
+from aioprefill.sched.prefix.hashing import block_hashes
 from tests.kv_events.util import Subscriber, endpoints
 from tests.reliability.util import kill_worker, until
 

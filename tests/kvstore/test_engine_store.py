@@ -18,8 +18,8 @@ import pytest
 from aioprefill import Engine, EngineConfig, PaddleModel, SimModel
 from aioprefill.kvstore.backend import load_store
 from aioprefill.kvstore.master import LocalMaster
-from aioprefill.prefix.hashing import block_hashes
-from aioprefill.scheduler import Scheduler
+from aioprefill.sched.prefix.hashing import block_hashes
+from aioprefill.sched.scheduler import Scheduler
 from aioprefill.workers.prefix_blocks import BlockStore
 from aioprefill.workers.sim import expected_token, sim_embedding, sim_prompt_logprobs
 from aioprefill.workers.sim_cache import SimBlocks

@@ -55,6 +55,6 @@ def prompts(rng: np.random.Generator, lengths: Sequence[int], vocab: int) -> lis
 @functools.cache
 def runner(spec: PaddleModel):
     """One PaddleRunner per spec for the whole session (building the tiny model takes ~1 s)."""
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
 
     return PaddleRunner(spec)

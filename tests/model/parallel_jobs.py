@@ -99,7 +99,7 @@ def forward(runner, step: Step) -> Out:
 
 def run_job(rank: int, size: int, master: str, arg: bytes) -> bytes:
     from aioprefill.workers.collectives import PaddleGroup
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
 
     assert arg is not None
     job = msgspec.msgpack.decode(arg, type=Job)
@@ -117,7 +117,7 @@ def run_jobs(rank: int, size: int, master: str, arg: bytes) -> bytes:
     """Each job of a msgspec list of `Job`s through its own runner on one group, in order: one
     group of rank processes for several models (each group spawned imports paddle again)."""
     from aioprefill.workers.collectives import PaddleGroup
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
 
     jobs = msgspec.msgpack.decode(arg, type=list[Job])
     group = PaddleGroup(rank, size, master, timeout=60.0)

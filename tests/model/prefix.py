@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from aioprefill import protocol
+from aioprefill.wire import protocol
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 B = 16  # block_tokens in these tests

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from aioprefill.config import PaddleModel
-from aioprefill.workers.paddle_runner import PaddleRunner
+from aioprefill.workers.paddle.runner import PaddleRunner
 from tests.model.batches import SMALL, make_batch, prompts, runner, small
 
 SEED = int(os.environ.get("AIOPREFILL_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
@@ -101,8 +101,8 @@ def test_prompt_logprobs_past_one_head_tile_do_not_depend_on_batch_mates(determi
     # its batch-mates change, and must not change by more than 1e-5 (bitwise: deterministic).
     from dataclasses import replace
 
-    from aioprefill.protocol import OPT_PROMPT_LOGPROBS
-    from aioprefill.workers.paddle_logits import HEAD_ROWS
+    from aioprefill.wire.protocol import OPT_PROMPT_LOGPROBS
+    from aioprefill.workers.paddle.logits import HEAD_ROWS
 
     spec = small(deterministic=deterministic)
     run = runner(spec)

@@ -15,8 +15,8 @@ pytestmark = [
     ),
 ]
 
-from aioprefill.workers.paddle_runner import PaddleRunner  # noqa: E402
-from aioprefill.workers.weights import random_weights  # noqa: E402
+from aioprefill.hf.weights import random_weights  # noqa: E402
+from aioprefill.workers.paddle.runner import PaddleRunner  # noqa: E402
 from tests.model.batches import SMALL, make_batch, prompts, small  # noqa: E402
 from tests.model.reference import greedy  # noqa: E402
 from tests.model.test_batch_invariance import compare_compositions  # noqa: E402

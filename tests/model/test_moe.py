@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from aioprefill.workers.weights import expected_shapes, random_weights
+from aioprefill.hf.weights import expected_shapes, random_weights
 from tests.model.batches import make_batch, prompts, runner, small
 from tests.model.parallel_jobs import JOB, Job, Out, Step, decode_outs, forward
 from tests.model.reference import greedy, moe_mlp
@@ -83,7 +83,7 @@ def test_router_ties_go_to_the_lower_expert_id() -> None:
     kernel), the same for every row, and the kept weights are renormalised."""
     import paddle
 
-    from aioprefill.workers.paddle_moe import MoE
+    from aioprefill.workers.paddle.moe import MoE
 
     hidden = MOE.hidden_size
     router = np.ones((4, hidden), dtype=np.float32)

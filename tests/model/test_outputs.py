@@ -8,12 +8,12 @@ import itertools
 import numpy as np
 import pytest
 
-from aioprefill import protocol
 from aioprefill.config import PaddleModel
-from aioprefill.kv import KVExports
-from aioprefill.workers.paddle_runner import PaddleRunner
+from aioprefill.hf.weights import random_weights
+from aioprefill.wire import protocol
+from aioprefill.wire.kv import KVExports
+from aioprefill.workers.paddle.runner import PaddleRunner
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
-from aioprefill.workers.weights import random_weights
 from tests.model.batches import SMALL, prompts, runner
 from tests.model.reference import as64, decode_logits, full
 

@@ -1,4 +1,4 @@
-"""The worker's matrix products (`paddle_gemm.Products`): oneDNN's sgemm on the CPU against a
+"""The worker's matrix products (`paddle.gemm.Products`): oneDNN's sgemm on the CPU against a
 float64 reference and Paddle's matmul, in place into tiles (bitwise the same whatever a row's
 tile), on inputs that are views, and the switch back to Paddle's matmul."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import paddle
 import pytest
 
-from aioprefill.workers import paddle_env
-from aioprefill.workers.paddle_gemm import Products
+from aioprefill.workers.paddle import env as paddle_env
+from aioprefill.workers.paddle.gemm import Products
 
 paddle.set_device("cpu")
 

@@ -1,4 +1,4 @@
-"""The LM head's per-row results computed a vocabulary slice at a time (`paddle_logits`): against a
+"""The LM head's per-row results computed a vocabulary slice at a time (`paddle.logits`): against a
 float64 log-softmax of the whole row, the tie rules across slice boundaries, and each row's bits
 independent of the other rows and of how many there are (what batch invariance needs)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import paddle
 import pytest
 
-from aioprefill.workers.paddle_logits import VOCAB_CHUNK, HeadRows, head_rows, join
+from aioprefill.workers.paddle.logits import VOCAB_CHUNK, HeadRows, head_rows, join
 
 paddle.set_device("cpu")
 
@@ -28,7 +28,7 @@ def _case(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def _row_by_row(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
     """x @ w.T one row at a time: each row's logits the same bits whatever the batch (the worker
-    gets that from a floor of rows, `paddle_rows`; here the reduction is under test)."""
+    gets that from a floor of rows, `paddle.rows`; here the reduction is under test)."""
     return paddle.concat([_matmul_t(x[i : i + 1], w) for i in range(x.shape[0])])
 
 

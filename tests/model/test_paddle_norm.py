@@ -7,8 +7,8 @@ import numpy as np
 import paddle
 import pytest
 
-from aioprefill.workers import paddle_norm
-from aioprefill.workers.paddle_env import cpu_has_avx512f
+from aioprefill.workers.paddle import norm as paddle_norm
+from aioprefill.workers.paddle.env import cpu_has_avx512f
 
 
 def reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The forward's element-wise kernels on the CPU (`paddle_ops`, `paddle_softmax`): RoPE bitwise
+"""The forward's element-wise kernels on the CPU (`paddle.ops`, `paddle.softmax`): RoPE bitwise
 equal to Paddle's `x * cos + roll(x) * sin`, SwiGLU and the masked softmax against float64
 references, and each row's bits independent of the other rows (what batch invariance needs)."""
 
@@ -9,8 +9,8 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from aioprefill.workers.paddle_ops import Rope, causal_softmax_, swiglu
-from aioprefill.workers.paddle_softmax import onednn_softmax_available, softmax_rows_
+from aioprefill.workers.paddle.ops import Rope, causal_softmax_, swiglu
+from aioprefill.workers.paddle.softmax import onednn_softmax_available, softmax_rows_
 
 paddle.set_device("cpu")
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from aioprefill.config import PaddleModel
-from aioprefill.workers import paddle_runner
-from aioprefill.workers.paddle_runner import PaddleRunner
-from aioprefill.workers.weights import random_weights
+from aioprefill.hf.weights import random_weights
+from aioprefill.workers.paddle import runner as paddle_runner
+from aioprefill.workers.paddle.runner import PaddleRunner
 from tests.model.batches import SMALL, make_batch, prompts, runner, small
 from tests.model.reference import greedy
 

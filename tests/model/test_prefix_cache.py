@@ -16,10 +16,10 @@ import logging
 import numpy as np
 import pytest
 
-from aioprefill import protocol
-from aioprefill.kv import kv_layout
 from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
-from aioprefill.workers.paddle_runner import PaddleRunner
+from aioprefill.wire import protocol
+from aioprefill.wire.kv import kv_layout
+from aioprefill.workers.paddle.runner import PaddleRunner
 from aioprefill.workers.runner import ForwardOutput
 from tests.model.batches import make_batch, small
 from tests.model.prefix import ALL, LAST, B, check_same, concat_outputs, planned, with_options
@@ -247,8 +247,7 @@ def test_chunks_equal_the_whole_prompt(mode: str) -> None:
 def test_default_mode_takes_onednn_where_only_mkls_rows_move(monkeypatch, caplog) -> None:
     """Where MKL's rows move at 64 rows or more and oneDNN's hold (the check's verdicts set
     here), the default mode multiplies on oneDNN with its floor, and a hit is the cache-off run."""
-    from aioprefill.workers import paddle_rows
-
+    from aioprefill.workers.paddle import rows as paddle_rows
     monkeypatch.delenv("AIOPREFILL_CPU_GEMM", raising=False)
     verdict = lambda mm, *a: (16, {}) if mm.uses_onednn else (None, {"down": [64]})  # noqa: E731
     monkeypatch.setattr(paddle_rows, "row_floor", verdict)
@@ -268,8 +267,7 @@ def test_default_mode_warns_and_pads_to_64_rows_where_rows_move(monkeypatch, cap
     1.6-1.8x: paddle_rows) and says that hits may then differ by rounding; the padded products
     answer as before. (The check's verdict is set here: which products move depends on the CPU
     and threads.)"""
-    from aioprefill.workers import paddle_rows
-
+    from aioprefill.workers.paddle import rows as paddle_rows
     monkeypatch.setattr(paddle_rows, "row_floor", lambda *a: (None, {"down": [64]}))
     with caplog.at_level(logging.WARNING, logger="aioprefill.worker"):
         padded = PaddleRunner(runner("default").spec, prefix_cache_bytes=8 * 14978, block_tokens=B)

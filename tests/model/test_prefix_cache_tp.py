@@ -51,7 +51,7 @@ def steps(spec: PaddleModel) -> list[Step]:
 
 
 def test_tp3_cache_matches_single_rank() -> None:
-    from aioprefill.workers.paddle_runner import PaddleRunner
+    from aioprefill.workers.paddle.runner import PaddleRunner
 
     plan = steps(SPEC)
     job = Job(spec=SPEC, mode="tp", steps=[plan] * 3, prefix_cache_bytes=BUDGET)

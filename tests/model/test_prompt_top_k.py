@@ -9,11 +9,11 @@ import itertools
 import numpy as np
 import pytest
 
-from aioprefill import protocol
 from aioprefill.config import PaddleModel
-from aioprefill.workers.paddle_runner import PaddleRunner
+from aioprefill.hf.weights import random_weights
+from aioprefill.wire import protocol
+from aioprefill.workers.paddle.runner import PaddleRunner
 from aioprefill.workers.runner import ForwardOutput
-from aioprefill.workers.weights import random_weights
 from tests.model.batches import SMALL, prompts, runner
 from tests.model.reference import as64, full
 from tests.model.test_outputs import batch

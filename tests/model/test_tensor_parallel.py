@@ -11,10 +11,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from aioprefill import protocol
 from aioprefill.config import PaddleModel
-from aioprefill.kv import KVLayout, kv_layout
 from aioprefill.shm.segments import SHM_DIR, attach_segment, create_segment, segment_name
+from aioprefill.wire import protocol
+from aioprefill.wire.kv import KVLayout, kv_layout
 from tests.model.batches import SMALL, runner, small
 from tests.model.parallel_jobs import JOBS, Job, Out, Step, forward
 from tests.ranks import run_ranks

@@ -12,14 +12,14 @@ import pytest
 
 from aioprefill.config import PaddleModel
 from aioprefill.errors import InvalidConfig
-from aioprefill.workers.paddle_runner import PaddleRunner
-from aioprefill.workers.weights import (
+from aioprefill.hf.weights import (
     WeightsError,
     expected_shapes,
     load_weights,
     random_weights,
     save_weights,
 )
+from aioprefill.workers.paddle.runner import PaddleRunner
 from tests.model.batches import SMALL, make_batch, prompts, runner, small
 
 
@@ -167,7 +167,7 @@ def test_weights_error_is_an_invalid_config(tmp_path) -> None:
 def test_weights_and_env_modules_do_not_import_paddle() -> None:
     # Only worker processes may import paddle; weights.py is plain NumPy.
     code = (
-        "import sys, aioprefill, aioprefill.config, aioprefill.workers.weights, "
-        "aioprefill.workers.paddle_env; assert 'paddle' not in sys.modules, 'paddle imported'"
+        "import sys, aioprefill, aioprefill.config, aioprefill.hf.weights, "
+        "aioprefill.workers.paddle.env; assert 'paddle' not in sys.modules, 'paddle imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

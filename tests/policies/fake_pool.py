@@ -12,10 +12,10 @@ import struct
 from collections import deque
 from dataclasses import dataclass, field
 
-from aioprefill.batching import Budget, Chunk, Columns, Request
-from aioprefill.policies import DispatchPolicy, policy_class
-from aioprefill.prefix import PrefixCache
-from aioprefill.scheduler import Scheduler
+from aioprefill.sched.batching import Budget, Chunk, Columns, Request
+from aioprefill.sched.policies import DispatchPolicy, policy_class
+from aioprefill.sched.prefix import PrefixCache
+from aioprefill.sched.scheduler import Scheduler
 
 
 @dataclass(eq=False)

@@ -4,7 +4,7 @@ as a baseline. Time is the harness's clock, so the fitted cost model is exact.""
 
 import pytest
 
-from aioprefill.policies.share import FairShare
+from aioprefill.sched.policies.share import FairShare
 from tests.policies.fake_pool import FakeBatch, FakeGroup, Harness
 
 PREFIX = list(range(100, 140))  # ten blocks of 4

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from aioprefill.pool.answers import pop_done, record_answer
-from aioprefill.pool.backoff import RestartBackoff
-from aioprefill.pool.slot import InFlightBatch, WorkerSlot
-from aioprefill.protocol import BatchDone, BatchFailed, BatchResult
+from aioprefill.engine.pool.answers import pop_done, record_answer
+from aioprefill.engine.pool.backoff import RestartBackoff
+from aioprefill.engine.pool.slot import InFlightBatch, WorkerSlot
+from aioprefill.wire.protocol import BatchDone, BatchFailed, BatchResult
 
 
 def group(num_ranks: int, batch_ids: list[int]) -> WorkerSlot:

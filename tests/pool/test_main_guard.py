@@ -65,7 +65,7 @@ def test_the_same_script_with_the_guard_runs(tmp_path):
 
 
 def test_guard_detection_reads_the_source(tmp_path, monkeypatch):
-    from aioprefill.pool import main_guard
+    from aioprefill.engine.pool import main_guard
 
     main = tmp_path / "m.py"
     monkeypatch.setattr(sys.modules["__main__"], "__file__", str(main), raising=False)

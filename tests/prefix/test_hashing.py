@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from aioprefill.errors import InvalidRequest
-from aioprefill.prefix import block_hashes, check_salt
-from aioprefill.prefix.hashing import seed_of
+from aioprefill.sched.prefix import block_hashes, check_salt
+from aioprefill.sched.prefix.hashing import seed_of
 
 
 def ids(values) -> bytes:
@@ -51,7 +51,7 @@ def test_the_same_in_another_process():
     """No per-process seed (Python's hash() is salted per process): another interpreter with
     another PYTHONHASHSEED gets the same values."""
     code = (
-        "import numpy as np; from aioprefill.prefix import block_hashes; "
+        "import numpy as np; from aioprefill.sched.prefix import block_hashes; "
         "print(block_hashes(np.arange(100, dtype='<i4').tobytes(), 16, 'x'))"
     )
     out = subprocess.run(

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from aioprefill.batching import take_batch
-from aioprefill.core import Budget, Request
-from aioprefill.prefix import BlockIndex, PrefixCache, block_hashes
+from aioprefill.sched.batching import take_batch
+from aioprefill.sched.prefix import BlockIndex, PrefixCache, block_hashes
+from aioprefill.sched.units import Budget, Request
 
 B = 4  # tokens per block in these tests
 

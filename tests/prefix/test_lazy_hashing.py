@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from aioprefill.core import Budget, InFlightBatch
-from aioprefill.prefix import PrefixCache, block_hashes
-from aioprefill.scheduler import Scheduler
+from aioprefill.sched.prefix import PrefixCache, block_hashes
+from aioprefill.sched.scheduler import Scheduler
+from aioprefill.sched.units import Budget, InFlightBatch
 from tests.prefix.test_index import B, groups
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from aioprefill.scheduler import Scheduler
+from aioprefill.sched.scheduler import Scheduler
 
 
 @pytest.fixture(autouse=True)

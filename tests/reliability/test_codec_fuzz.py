@@ -9,9 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aioprefill import protocol
 from aioprefill.errors import ProtocolError
-from aioprefill.protocol import (
+from aioprefill.shm.ring import Ring
+from aioprefill.wire import protocol
+from aioprefill.wire.protocol import (
     BatchFailed,
     BatchResult,
     PrefillBatch,
@@ -19,7 +20,6 @@ from aioprefill.protocol import (
     Shutdown,
     StartFailed,
 )
-from aioprefill.shm.ring import Ring
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

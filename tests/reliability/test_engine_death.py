@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from aioprefill import Engine, EngineConfig
-from aioprefill.pool.process import WorkerHandle
+from aioprefill.engine.pool.process import WorkerHandle
 from aioprefill.shm.segments import cleanup_stale_segments
 from tests.reliability.util import SHM, pid_alive, segments_of, sim, wait_dead
 

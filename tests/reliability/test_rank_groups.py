@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from aioprefill import Engine, EngineConfig, ForwardFailed, PrefillResult, SimModel, WorkerCrashed
-from aioprefill.protocol import BatchDone, encode
 from aioprefill.shm.ring import Ring
+from aioprefill.wire.protocol import BatchDone, encode
 from aioprefill.workers.sim import expected_token
 from tests.reliability.test_untrusted_bytes import result
 from tests.reliability.util import all_ready, pid_alive, sim, until

@@ -114,6 +114,6 @@ def test_soak_200k_requests_flat_memory():
 
 def test_the_invariant_checks_are_on_here():
     """The soak and fault tests run with `Scheduler.checking` (tests/reliability/conftest.py)."""
-    from aioprefill.scheduler import Scheduler
+    from aioprefill.sched.scheduler import Scheduler
 
     assert Scheduler.checking

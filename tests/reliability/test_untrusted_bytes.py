@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from aioprefill import Engine, EngineConfig, PrefillResult
+from aioprefill.engine.pool.process import WorkerHandle
 from aioprefill.errors import ProtocolError, WorkerStartFailed
-from aioprefill.pool.process import WorkerHandle
-from aioprefill.protocol import BatchResult, Ready, encode
 from aioprefill.shm import segments
 from aioprefill.shm.ring import DATA_OFFSET, Ring
+from aioprefill.wire.protocol import BatchResult, Ready, encode
 from aioprefill.workers.sim import expected_logprob, expected_token
 from tests.conftest import own_segments
 from tests.reliability.util import all_ready, kill_worker, sim, until

@@ -13,7 +13,7 @@ import pytest
 
 from aioprefill import Engine, EngineConfig, ForwardFailed
 from aioprefill.errors import ProtocolError
-from aioprefill.protocol import Spilled, encode
+from aioprefill.wire.protocol import Spilled, encode
 from aioprefill.workers.sim import expected_token
 from tests.reliability.test_untrusted_bytes import forger, result, wake
 from tests.reliability.util import all_ready, kill_worker, sim, until

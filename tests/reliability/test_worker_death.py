@@ -17,8 +17,8 @@ from aioprefill import (
     PaddleModel,
     WorkerCrashed,
 )
+from aioprefill.engine.pool.process import WorkerHandle
 from aioprefill.errors import WorkerStartFailed
-from aioprefill.pool.process import WorkerHandle
 from aioprefill.workers.sim import expected_token
 from tests.conftest import own_segments
 from tests.reliability.util import all_ready, busy_worker, kill_worker, pid_alive, sim, until

@@ -15,7 +15,7 @@ reference first. The request's token ids come from aioprefill's tokenizer and ch
 (the prefill node's own): the test checks them against transformers' ids in the goldens.
 
 The weights are the GGUF file's, dequantized and un-permuted by the worker's reader
-(`aioprefill.workers.gguf_weights.read_tensor`, `aioprefill.hf.gguf.unpermute`: the code that
+(`aioprefill.hf.gguf_weights.read_tensor`, `aioprefill.hf.gguf.unpermute`: the code that
 gives the prefill node its weights, which transformers' goldens check bit for bit elsewhere).
 """
 
@@ -34,9 +34,9 @@ import numpy as np
 
 from aioprefill import PaddleModel, Tokenizer
 from aioprefill.hf.gguf import hf_name, read_header, unpermute
+from aioprefill.hf.gguf_weights import read_tensor
 from aioprefill.serve.chat import chat_prompt
 from aioprefill.transfer import pull_kv, release_kv
-from aioprefill.workers.gguf_weights import read_tensor
 from tests.model.reference import Weights, lm_head, reference_hidden
 
 

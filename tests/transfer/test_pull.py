@@ -171,7 +171,7 @@ async def test_an_export_larger_than_a_slice_pulls_whole():
 
 @pytest.mark.asyncio
 async def test_a_pull_after_the_budget_evicted_the_closed_segment_raises_kv_export_closed():
-    from aioprefill.kv import SIM_KV_LAYOUT
+    from aioprefill.wire.kv import SIM_KV_LAYOUT
 
     per_token = SIM_KV_LAYOUT.nbytes(1)
     async with Engine(transfer_config(max_kv_export_bytes=40 * per_token)) as engine:

@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from aioprefill import protocol
-from aioprefill.kv import KVLayout
 from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
+from aioprefill.wire import protocol
+from aioprefill.wire.kv import KVLayout
 from aioprefill.workers.kv_writer import KVShare, KVWriters, open_writers
 from aioprefill.workers.runner import ForwardBatch
 

@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from aioprefill import protocol
-from aioprefill.batching import make_prefill_batch
 from aioprefill.config import EngineConfig, ModelSpec, SimModel
+from aioprefill.engine.pool.process import WorkerHandle
 from aioprefill.parallel import ParallelInfo, ParallelMode
-from aioprefill.pool.process import WorkerHandle
-from aioprefill.protocol import BatchDone, BatchResult
+from aioprefill.sched.batching import make_prefill_batch
+from aioprefill.wire import protocol
+from aioprefill.wire.protocol import BatchDone, BatchResult
 from aioprefill.workers.group import EXIT_GROUP_BROKEN, free_port
 from aioprefill.workers.sim import expected_token
 from tests.model.batches import SMALL

@@ -1,0 +1,227 @@
+"""`Products`: the matrix products of a worker's forward, on the CPU through oneDNN's sgemm.
+
+Paddle's CPU wheel multiplies matrices with Intel MKL, which on AMD processors runs its AVX2
+kernels at best (`paddle.env`). The same wheel ships oneDNN (`paddle/libs/libdnnl.so.3`, for its
+static-graph kernels), whose `dnnl_sgemm` picks kernels by the CPU's instruction set (AVX-512
+where there is one) on any vendor: the routine CTranslate2 multiplies with by default. Paddle's
+eager `matmul` never reaches it (`FLAGS_use_mkldnn` changes nothing there: measured), so a CPU
+worker calls it through ctypes on the tensors' memory, into an output Paddle allocated. Both
+libraries run on the wheel's one OpenMP runtime (libiomp5: oneDNN's GNU OpenMP calls bind to it),
+so they share one thread pool. Measured on an AMD EPYC Zen 4 (whose AVX-512 units are 256 bits
+wide: AVX2 and AVX-512 have the same peak), 1 thread: oneDNN 0.9-1.2x MKL from ~280 rows up,
+0.5-1.0x below 64 rows; CTranslate2 ran 1.2-1.3x faster on oneDNN than on its MKL here, 2x on
+the machine issue 25 was measured on (docs/perf-ctranslate2.md).
+
+Exactness: float32 in, out and accumulated, as MKL; the two differ by float32 rounding only
+(~5e-6 on unit-scale products). Where MKL has its own AVX-512 kernels (Intel) or there is no
+AVX-512, or with `AIOPREFILL_CPU_GEMM=mkl` (read when a worker starts: `paddle.env.cpu_gemm`),
+the worker keeps Paddle's own `matmul`, as it does on a GPU, for a dtype other than float32, or
+with a wheel without the library.
+
+Batch invariance: with `tile_rows` (`deterministic=True`) `linear` and `project` multiply fixed
+tiles of that many rows, each written in place into the output (no split, no concat), so no
+product's shape depends on the batch; without it a row's result may move by float32 rounding
+with the product's row count (within the tests' 1e-5).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import paddle
+
+from aioprefill.workers.paddle.env import cpu_gemm, onednn_library, paddle_libs
+
+__all__ = ["Products", "weights_in_out"]
+
+_FLOAT = 4  # bytes
+_PROJECT_ROWS = 256  # `project`'s row blocks by default: x's block stays in cache over the heads
+
+
+@functools.cache
+def _load_sgemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """oneDNN's row-major `dnnl_sgemm` from Paddle's wheel, or None where there is none.
+    Called after paddle loaded the library, so its OpenMP calls are bound as Paddle's are."""
+    lib = onednn_library()
+    if lib is None or not hasattr(lib, "dnnl_sgemm"):
+        return None
+    fn = lib.dnnl_sgemm
+    size, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    fn.restype = ctypes.c_int
+    # transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc
+    fn.argtypes = [ctypes.c_char, ctypes.c_char, size, size, size, f32, ptr, size, ptr, size]
+    fn.argtypes += [f32, ptr, size]
+    return fn
+
+
+def _set_openmp_threads(threads: int) -> None:
+    """The OpenMP runtime's thread count (oneDNN asks it; Paddle sets MKL's own count)."""
+    libs = paddle_libs()
+    for name in (str(libs / "libiomp5.so") if libs else None, "libgomp.so.1"):
+        if name is None:
+            continue
+        try:
+            ctypes.CDLL(name).omp_set_num_threads(threads)
+        except (OSError, AttributeError):
+            continue
+
+
+class Products:
+    """`linear` (a linear layer), `project` (x times per-head weights), `product` (x @ w.T, never
+    tiled) and `per_head` (attention's) for one worker: oneDNN on a float32 CPU, else Paddle's
+    `matmul`."""
+
+    def __init__(
+        self,
+        device: str,
+        threads: int,
+        tile_rows: int | None,
+        gemm: str | None = None,
+        *,
+        in_out: bool = False,
+    ) -> None:
+        """`gemm`: a CPU's product library, `onednn` or `mkl`; None: `paddle.env.cpu_gemm()`.
+        `in_out`: the linear layers' weights are laid out [in, out] (`weights_in_out`), not
+        HF's [out, in]."""
+        onednn = device == "cpu" and (gemm or cpu_gemm()) == "onednn"
+        self._sgemm = _load_sgemm() if onednn else None
+        if self._sgemm is not None:
+            _set_openmp_threads(threads)
+        self._tile = tile_rows
+        self.in_out = in_out
+
+    def in_features(self, w: paddle.Tensor) -> int:
+        """A linear layer's input width, from its weight as this worker lays it out."""
+        return int(w.shape[0] if self.in_out else w.shape[1])
+
+    @property
+    def tile_rows(self) -> int | None:
+        return self._tile
+
+    @property
+    def uses_onednn(self) -> bool:
+        return self._sgemm is not None
+
+    def _fast(self, x: paddle.Tensor, w: paddle.Tensor) -> bool:
+        return self._sgemm is not None and x.dtype == paddle.float32 and w.dtype == paddle.float32
+
+    def product(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """[rows, k] x [n, k] -> [rows, n] = x @ w.T, as one product."""
+        if not self._fast(x, w):
+            return paddle.matmul(x, w, transpose_y=True)
+        return self._xw(x, w, x.shape[0], transposed=True)
+
+    def linear(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """A linear layer: x @ w ([in, out] weights: `in_out`) or x @ w.T (HF's [out, in]);
+        with tiles, `tile_rows` rows at a time (x's rows are a multiple of it)."""
+        tile, ty = self._tile, not self.in_out
+        if not self._fast(x, w):
+            if tile is None or x.shape[0] == tile:
+                return paddle.matmul(x, w, transpose_y=ty)
+            parts = paddle.split(x, x.shape[0] // tile)
+            return paddle.concat([paddle.matmul(t, w, transpose_y=ty) for t in parts])
+        return self._xw(x, w, tile or x.shape[0], transposed=ty)
+
+    def project(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """[rows, hidden] x [heads, hidden, dim] -> [heads, rows, dim]; tiled like `linear`."""
+        tile = self._tile
+        if not self._fast(x, w):
+            if tile is None or x.shape[0] == tile:
+                return paddle.matmul(x.unsqueeze(0), w)
+            parts = paddle.split(x, x.shape[0] // tile)
+            return paddle.concat([paddle.matmul(t.unsqueeze(0), w) for t in parts], axis=1)
+        x, w = _contiguous(x), _contiguous(w)
+        rows, k = x.shape
+        heads, _, dim = w.shape
+        out = paddle.empty([heads, rows, dim], dtype=x.dtype)
+        if rows == 0:
+            return out
+        sgemm, xp, wp, op = self._sgemm, x.data_ptr(), w.data_ptr(), out.data_ptr()
+        assert sgemm is not None
+        # One product per head writes its [block, dim] part of the output in place: the
+        # heads-major layout attention reads, with no transpose. Row blocks outside, heads
+        # inside: a block of x is read from cache by every head (one product per head over all
+        # rows re-read x from memory 15 times: q/k/v ran at 154 GFLOP/s against 205 for o/MLP).
+        for lo, m in _blocks(rows, tile):
+            a = xp + lo * k * _FLOAT
+            for h in range(heads):
+                c = op + (h * rows + lo) * dim * _FLOAT
+                b = wp + h * k * dim * _FLOAT
+                _check(sgemm(b"N", b"N", m, dim, k, 1.0, a, k, b, dim, 0.0, c, dim))
+        return out
+
+    def per_head(
+        self, a: paddle.Tensor, b: paddle.Tensor, n: int, *, transpose_b: bool
+    ) -> paddle.Tensor:
+        """Attention's products, one per KV head h, on b's first n rows (`b` [heads, >= n, d],
+        read in place: no copy of the slice): a[h] @ b[h, :n].T -> [heads, m, n] (scores, `b`
+        the keys) or a[h] @ b[h, :n] -> [heads, m, d] (`a` the probabilities over n keys, `b`
+        the values)."""
+        if not self._fast(a, b):
+            return paddle.matmul(a, b[:, :n], transpose_y=transpose_b)
+        a, b = _contiguous(a), _contiguous(b)
+        heads, m, k = a.shape
+        total, d = b.shape[1], b.shape[2]
+        cols = n if transpose_b else d
+        out = paddle.empty([heads, m, cols], dtype=a.dtype)
+        sgemm, ap, bp, op = self._sgemm, a.data_ptr(), b.data_ptr(), out.data_ptr()
+        assert sgemm is not None and k == (d if transpose_b else n)
+        for h in range(heads):
+            ah, bh = ap + h * m * k * _FLOAT, bp + h * total * d * _FLOAT
+            ch = op + h * m * cols * _FLOAT
+            if transpose_b:
+                _check(sgemm(b"N", b"T", m, n, d, 1.0, ah, k, bh, d, 0.0, ch, n))
+            else:
+                _check(sgemm(b"N", b"N", m, d, n, 1.0, ah, k, bh, d, 0.0, ch, d))
+        return out
+
+    def _xw(
+        self, x: paddle.Tensor, w: paddle.Tensor, step: int, *, transposed: bool
+    ) -> paddle.Tensor:
+        """x @ w.T (`transposed`: w [n, k]) or x @ w (w [k, n]), `step` rows a product."""
+        x, w = _contiguous(x), _contiguous(w)
+        rows, k = x.shape
+        n = w.shape[0] if transposed else w.shape[1]
+        out = paddle.empty([rows, n], dtype=x.dtype)
+        if rows == 0:
+            return out
+        sgemm, xp, wp, op = self._sgemm, x.data_ptr(), w.data_ptr(), out.data_ptr()
+        assert sgemm is not None
+        tb, ldb = (b"T", k) if transposed else (b"N", n)
+        for lo in range(0, rows, step):
+            m = min(step, rows - lo)
+            a, c = xp + lo * k * _FLOAT, op + lo * n * _FLOAT
+            _check(sgemm(b"N", tb, m, n, k, 1.0, a, k, wp, ldb, 0.0, c, n))
+        return out
+
+
+def weights_in_out(device: str, dtype: str) -> bool:
+    """Whether a worker keeps its linear layers' weights [in, out] (multiplied x @ w): on a
+    float32 CPU. oneDNN's `dnnl_sgemm` runs `N, N` 2.6x faster than `N, T` (x @ w.T on HF's
+    [out, in]) at 16 rows, 1.9x at 64, 1.2x at 256, 1.04x at 1,024-4,096 (SmolLM2's gate/up, 30
+    weights in turn, 1 thread, AMD Zen 5): below ~64 rows a forward streams the weights, and
+    small forwards are what a prefix-cache hit leaves. Laid out once as the weights load (no
+    second copy); MKL, if the worker picks it, multiplies either layout. Elsewhere (a GPU,
+    other dtypes) HF's layout and Paddle's matmul with transpose_y, as before."""
+    return device == "cpu" and dtype == "float32"
+
+
+def _blocks(rows: int, tile: int | None) -> list[tuple[int, int]]:
+    """(first row, row count) of `project`'s row blocks: tiles of `tile` rows, else blocks of
+    _PROJECT_ROWS with the remainder joined to the last (a product never has fewer rows than
+    min(rows, _PROJECT_ROWS): the floor `paddle.rows` pads to stays met)."""
+    if tile is not None:
+        return [(lo, tile) for lo in range(0, rows, tile)]
+    n = max(1, rows // _PROJECT_ROWS)
+    return [(i * _PROJECT_ROWS, _PROJECT_ROWS if i < n - 1 else rows - i * _PROJECT_ROWS)
+            for i in range(n)]  # fmt: skip
+
+
+def _contiguous(t: paddle.Tensor) -> paddle.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise RuntimeError(f"dnnl_sgemm failed with status {status}")
