@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config import spec_fields
+from aioprefill.hf.spec import ModelShape
 from aioprefill.hf.tensors import WeightsError
 
-if TYPE_CHECKING:  # annotations only: hf sits below the specs (models imports it)
-    from aioprefill.models import PaddleModel
+Spec = TypeVar("Spec", bound=ModelShape)  # the spec class passed in (PaddleModel)
 
 __all__ = ["WeightsError", "check_spec_against_config", "spec_from_pretrained"]
 
@@ -52,8 +52,8 @@ _FUNCTION_FIELDS = frozenset(
 
 
 def spec_from_pretrained(
-    cls: type[PaddleModel], path: str | os.PathLike[str], overrides: dict[str, object]
-) -> PaddleModel:
+    cls: type[Spec], path: str | os.PathLike[str], overrides: dict[str, object]
+) -> Spec:
     """The `PaddleModel` (`cls`, passed in: this package sits below the specs and never imports
     them) of a checkpoint directory (or a `.gguf` file), `overrides` applied, its tensors checked
     against it (headers only: nothing is loaded here)."""
@@ -73,9 +73,7 @@ def spec_from_pretrained(
     return spec
 
 
-def _spec_from_gguf(
-    cls: type[PaddleModel], path: Path, overrides: dict[str, object]
-) -> PaddleModel:
+def _spec_from_gguf(cls: type[Spec], path: Path, overrides: dict[str, object]) -> Spec:
     """A GGUF file's spec (`hf.gguf`), its tensors checked from the header; logs the size the
     weights take once dequantized."""
     from aioprefill.hf import gguf
@@ -88,7 +86,7 @@ def _spec_from_gguf(
     return spec
 
 
-def _check_overrides(cls: type[PaddleModel], overrides: dict[str, object]) -> None:
+def _check_overrides(cls: type[Spec], overrides: dict[str, object]) -> None:
     known = set(cls.__struct_fields__)
     for name in overrides:
         if name not in known:
@@ -100,7 +98,7 @@ def _check_overrides(cls: type[PaddleModel], overrides: dict[str, object]) -> No
             )
 
 
-def check_spec_against_config(spec: PaddleModel) -> None:
+def check_spec_against_config(spec: ModelShape) -> None:
     """For a spec whose `weights` is a directory with a config.json (or a GGUF file): raise
     `InvalidConfig` unless every field config.json (the GGUF metadata) decides has the value it
     gives (a hand-written spec that left out, say, rope_theta would otherwise run the checkpoint

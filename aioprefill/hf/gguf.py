@@ -18,16 +18,14 @@ from __future__ import annotations
 import logging
 import re
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.gguf_file import GGUFHeader, read_header, type_name
+from aioprefill.hf.spec import ModelShape
 from aioprefill.hf.tensors import check_shapes
-
-if TYPE_CHECKING:  # annotations only: hf sits below the specs (models imports it)
-    from aioprefill.models import PaddleModel
 
 __all__ = [
     "FLOAT_TYPES",
@@ -194,7 +192,7 @@ def _rope_scaling(md: dict[str, Any], path: str) -> dict[str, Any]:
     return {"rope_type": "linear", "rope_factor": factor}
 
 
-def check_tensors(header: GGUFHeader, spec: PaddleModel) -> None:
+def check_tensors(header: GGUFHeader, spec: ModelShape) -> None:
     """Raise `InvalidConfig` unless the file holds exactly the spec's tensors, each of a type the
     loader reads (naming the extra to install when only `gguf` is missing)."""
     shapes: dict[str, tuple[int, ...]] = {}

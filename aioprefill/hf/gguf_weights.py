@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,10 +27,8 @@ from aioprefill.hf.gguf import (
     unpermute,
 )
 from aioprefill.hf.gguf_file import GGML_TYPES, GGUFTensor
+from aioprefill.hf.spec import ModelShape
 from aioprefill.hf.tensors import WeightsError, is_ignored, part_of
-
-if TYPE_CHECKING:  # annotations only
-    from aioprefill.models import PaddleModel
 
 __all__ = ["iter_gguf", "read_tensor"]
 
@@ -39,7 +36,7 @@ log = logging.getLogger("aioprefill.hf")
 _CHUNK_BYTES = 4 << 20  # raw bytes dequantized per step: bounds the dequantizer's temporaries
 
 
-def iter_gguf(spec: PaddleModel) -> Iterator[tuple[int | None, str, np.ndarray]]:
+def iter_gguf(spec: ModelShape) -> Iterator[tuple[int | None, str, np.ndarray]]:
     """`(layer, part, float32 array)` for every tensor of the spec's GGUF file, checked whole
     (header) before the first tensor is read."""
     assert spec.weights is not None

@@ -15,12 +15,9 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from aioprefill.errors import InvalidConfig
-
-if TYPE_CHECKING:  # annotations only: hf sits below the specs (models imports it)
-    from aioprefill.models import PaddleModel
+from aioprefill.hf.spec import ModelShape
 
 __all__ = [
     "INDEX_FILE",
@@ -69,7 +66,7 @@ class WeightsError(InvalidConfig):
     or the file is unreadable. The message names the file and the tensor."""
 
 
-def layer_parts(spec: PaddleModel) -> tuple[str, ...]:
+def layer_parts(spec: ModelShape) -> tuple[str, ...]:
     """The parts every decoder layer of this spec has."""
     parts: tuple[str, ...] = ("in_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down")
     if spec.attention_bias:
@@ -89,7 +86,7 @@ def _suffix(part: str) -> str:
     return _ROUTER if part == "router" else _LAYER[part]
 
 
-def expected_shapes(spec: PaddleModel) -> dict[str, tuple[int, ...]]:
+def expected_shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor the spec needs, by Hugging Face name, in a fixed order. A tied spec needs no
     `lm_head.weight` (one stored anyway is ignored, as `transformers` ties it to the embedding)."""
     hidden, ffn, vocab, dim = (
@@ -129,7 +126,7 @@ def expected_shapes(spec: PaddleModel) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def is_ignored(name: str, spec: PaddleModel) -> bool:
+def is_ignored(name: str, spec: ModelShape) -> bool:
     """A stored tensor the spec does not read: RoPE buffers, and `lm_head.weight` when tied."""
     return name.endswith(_IGNORED_SUFFIX) or (spec.tie_word_embeddings and name == _LM_HEAD)
 
@@ -182,7 +179,7 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[tuple[str, list[str] 
     raise WeightsError(f"{source}: a checkpoint directory needs {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def check_shapes(shapes: dict[str, tuple[int, ...]], spec: PaddleModel, source: str) -> None:
+def check_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelShape, source: str) -> None:
     """Raise `WeightsError` unless `shapes` (Hugging Face name -> shape) are the spec's tensors,
     ignored ones aside."""
     expected = expected_shapes(spec)

@@ -21,11 +21,11 @@ import json
 import os
 import struct
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors.numpy import save_file
 
+from aioprefill.hf.spec import ModelShape
 from aioprefill.hf.tensors import (
     WeightsError,
     check_shapes,
@@ -34,9 +34,6 @@ from aioprefill.hf.tensors import (
     is_ignored,
     part_of,
 )
-
-if TYPE_CHECKING:  # annotations only: hf, below the specs, checks headers with this
-    from aioprefill.models import PaddleModel
 
 __all__ = [
     "WeightsError",
@@ -60,7 +57,7 @@ _DTYPES: dict[str, np.dtype] = {
 _MAX_HEADER = 100 << 20
 
 
-def random_weights(spec: PaddleModel, seed: int) -> dict[str, np.ndarray]:
+def random_weights(spec: ModelShape, seed: int) -> dict[str, np.ndarray]:
     """Seeded float32 weights: matrix entries with mean 0 and std 0.02, norm scales 1 with std
     0.1, biases 0 with std 0.1, all uniformly distributed (6x faster to draw than normals).
 
@@ -82,7 +79,7 @@ def random_weights(spec: PaddleModel, seed: int) -> dict[str, np.ndarray]:
     return weights
 
 
-def iter_weights(spec: PaddleModel) -> Iterator[tuple[int | None, str, np.ndarray]]:
+def iter_weights(spec: ModelShape) -> Iterator[tuple[int | None, str, np.ndarray]]:
     """`(layer, part, float32 array)` for every tensor the spec needs, from its checkpoint
     (checked whole before the first tensor is read) or its seed."""
     if spec.weights is None:
@@ -100,7 +97,7 @@ def iter_weights(spec: PaddleModel) -> Iterator[tuple[int | None, str, np.ndarra
                 yield (*part_of(name), _read(f, source, name, header))
 
 
-def load_weights(path: str | os.PathLike[str], spec: PaddleModel) -> dict[str, np.ndarray]:
+def load_weights(path: str | os.PathLike[str], spec: ModelShape) -> dict[str, np.ndarray]:
     """A checkpoint (file or directory) as float32 arrays by Hugging Face name, in the order of
     `expected_shapes`. F32, F16, F64 and BF16 tensors are accepted. Raises `WeightsError`
     naming the file and the offending tensor."""
@@ -113,12 +110,12 @@ def load_weights(path: str | os.PathLike[str], spec: PaddleModel) -> dict[str, n
     return {name: weights[name] for name in expected_shapes(spec)}
 
 
-def check_checkpoint(path: str | os.PathLike[str], spec: PaddleModel) -> None:
+def check_checkpoint(path: str | os.PathLike[str], spec: ModelShape) -> None:
     """Raise `WeightsError` unless the checkpoint holds the spec's tensors (headers only)."""
     _plan(path, spec)
 
 
-def model_weights(spec: PaddleModel) -> dict[str, np.ndarray]:
+def model_weights(spec: ModelShape) -> dict[str, np.ndarray]:
     """The weights a spec stands for: its checkpoint when `weights=` is set, else its seed's."""
     if spec.weights is not None and spec.weights.endswith(".gguf"):
         by_part = {(layer, part): w for layer, part, w in iter_weights(spec)}
@@ -128,7 +125,7 @@ def model_weights(spec: PaddleModel) -> dict[str, np.ndarray]:
     return random_weights(spec, spec.seed)
 
 
-def check_weights(weights: dict[str, np.ndarray], spec: PaddleModel, source: str) -> None:
+def check_weights(weights: dict[str, np.ndarray], spec: ModelShape, source: str) -> None:
     """Raise `WeightsError` unless `weights` holds exactly the spec's tensors with its shapes."""
     check_shapes({name: tuple(w.shape) for name, w in weights.items()}, spec, source)
 
@@ -143,7 +140,7 @@ def save_weights(path: str | os.PathLike[str], weights: dict[str, np.ndarray]) -
 _Header = dict[str, dict]
 
 
-def _plan(path: str | os.PathLike[str], spec: PaddleModel) -> list[tuple[str, _Header, list[str]]]:
+def _plan(path: str | os.PathLike[str], spec: ModelShape) -> list[tuple[str, _Header, list[str]]]:
     """Per file: its header and the tensors to read from it, in file order; all checked."""
     source = os.fspath(path)
     plan: list[tuple[str, _Header, list[str]]] = []
