@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 from aioprefill.errors import InvalidConfig
-from aioprefill.transfer.backend import import_mooncake
+from aioprefill.optional import import_mooncake
 
 __all__ = ["RPC_FAIL", "load_store", "load_xxhash", "store_is_down"]
 

@@ -10,38 +10,13 @@ listeners close, its peers' reads fail at once). Its calls return 0 or a negativ
 from __future__ import annotations
 
 import ctypes
-import importlib
 import mmap
-import os
 from typing import Any
 
-from aioprefill.errors import InvalidConfig, TransferError
+from aioprefill.errors import TransferError
+from aioprefill.optional import TRANSFER_EXTRA_HINT, import_mooncake
 
 __all__ = ["TRANSFER_EXTRA_HINT", "address_of", "import_mooncake", "load_mooncake", "new_engine"]
-
-TRANSFER_EXTRA_HINT = (
-    "pip install 'aioprefill[transfer]' (mooncake-transfer-engine-non-cuda; on a CUDA machine "
-    "mooncake-transfer-engine), and on Debian/Ubuntu apt-get install libibverbs1"
-)
-
-
-def import_mooncake(module: str, what: str) -> Any:
-    """Mooncake's `module` (`mooncake.engine`, `mooncake.store`), or InvalidConfig naming `what`
-    could not load and what to install. The wheel links libibverbs even for TCP, so without
-    Debian's libibverbs1 the import itself fails (OSError/ImportError naming libibverbs.so.1).
-    Its C++ log level is read once, at load: unless MC_LOG_LEVEL says otherwise, only errors (a
-    dozen info lines per engine start otherwise)."""
-    quiet = "MC_LOG_LEVEL" not in os.environ
-    if quiet:
-        os.environ["MC_LOG_LEVEL"] = "ERROR"
-    try:
-        return importlib.import_module(module)
-    except (ImportError, OSError) as exc:
-        raise InvalidConfig(f"{what} cannot be imported ({exc}): {TRANSFER_EXTRA_HINT}") from exc
-    finally:
-        if quiet:
-            del os.environ["MC_LOG_LEVEL"]
-
 
 def load_mooncake() -> Any:
     """`mooncake.engine`, or InvalidConfig naming what to install."""

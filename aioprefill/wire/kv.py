@@ -35,7 +35,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,10 +43,22 @@ from aioprefill.errors import InvalidRequest, KVBudgetExceeded, KVExportClosed
 from aioprefill.models import ModelSpec, PaddleModel
 from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
 
-if TYPE_CHECKING:
-    from aioprefill.transfer.registry import TransferRegistry
+__all__ = ["KVExport", "KVExports", "KVLayout", "KVTicket", "KVTransfer", "kv_layout"]
 
-__all__ = ["KVExport", "KVExports", "KVLayout", "KVTicket", "kv_layout"]
+
+class KVTransfer(Protocol):
+    """What the exports' ledger calls on a transfer engine's registry
+    (`aioprefill.transfer.registry.TransferRegistry` is the one there is), in this order:
+    `start()` once before anything is queued; `sweep()` before each export opens (released and
+    expired exports give their room back); `register(export)` when one opens; `params(export)`
+    from `KVExport.transfer_params()`; `deregister(name)` when one closes; `close()` at shutdown."""
+
+    def start(self) -> None: ...
+    def sweep(self) -> int: ...
+    def register(self, handle: KVExport) -> None: ...
+    def params(self, handle: KVExport) -> dict[str, Any]: ...
+    def deregister(self, name: str) -> None: ...
+    def close(self) -> None: ...
 
 _NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -205,7 +217,7 @@ class KVExports:
     """
 
     def __init__(
-        self, model: ModelSpec, max_bytes: int, transfer: TransferRegistry | None = None
+        self, model: ModelSpec, max_bytes: int, transfer: KVTransfer | None = None
     ) -> None:
         self.layout = kv_layout(model)
         # kv_transfer: open exports registered with the engine's transfer engine (made by the
