@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from aioprefill.errors import WorkerCrashed
-from aioprefill.sched.scheduler import InFlight, Scheduler
-from aioprefill.sched.units import Request
+from aioprefill.sched.scheduler import Scheduler
+from aioprefill.sched.units import InFlight, Request
 
 if TYPE_CHECKING:
     from aioprefill.engine.outcomes import Outcomes

@@ -1,4 +1,6 @@
-"""The scheduler's invariants, recounted from scratch (`Scheduler.check_invariants`).
+"""The scheduler's invariants, recounted from scratch (`Scheduler.check_invariants`), from plain
+data: the counters, the queue, the staged batch and the batches in flight (never the Scheduler
+itself, which calls this).
 
 One quick pass, run after every engine event in the soak and fault tests
 (`AIOPREFILL_CHECK_INVARIANTS=1`); the detailed report is built only once something is off.
@@ -10,20 +12,30 @@ slot free, pinned or in the LRU; pins equal to what the batches in flight hold) 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from aioprefill.sched.scheduler import InFlight, Scheduler
+from aioprefill.sched.units import InFlight, Request
 
-__all__ = ["recount"]
+__all__ = ["Counts", "recount"]
 
 
-def recount(sched: Scheduler, in_flight: list[InFlight]) -> None:
-    """Raise AssertionError naming the counter (or the cache index) that is off."""
+class Counts(NamedTuple):
+    """The scheduler's three counters, as it holds them."""
+
+    num_pending: int
+    pending_tokens: int
+    num_in_flight: int
+
+
+def recount(
+    counts: Counts, pending: list[Request], staged: list[Request], in_flight: list[InFlight]
+) -> None:
+    """Raise AssertionError naming the counter that is off (the prefix cache's index checks
+    itself: `PrefixCache.check`)."""
     ids: set[int] = set()
     tokens = 0
     well_formed = True
-    for r in itertools.chain(sched.staged.requests, sched.pending):
+    for r in itertools.chain(staged, pending):
         if r.cancelled:
             continue
         ids.add(r.request_id)
@@ -46,16 +58,14 @@ def recount(sched: Scheduler, in_flight: list[InFlight]) -> None:
                 ids.add(r.request_id)
     if (
         not well_formed
-        or sched.num_pending != queued
-        or sched.pending_tokens != tokens
-        or sched.num_in_flight != len(ids)
-        or any(r.next_pos or r.worker >= 0 for r in sched.staged.requests)
+        or counts.num_pending != queued
+        or counts.pending_tokens != tokens
+        or counts.num_in_flight != len(ids)
+        or any(r.next_pos or r.worker >= 0 for r in staged)
     ):
         raise AssertionError(
-            f"scheduler invariants broken: num_pending {sched.num_pending} (recounted "
-            f"{queued}), pending_tokens {sched.pending_tokens} ({tokens}), num_in_flight "
-            f"{sched.num_in_flight} ({len(ids)}), well formed: {well_formed}; queue: "
-            f"{list(itertools.chain(sched.staged.requests, sched.pending))!r:.2000}"
+            f"scheduler invariants broken: num_pending {counts.num_pending} (recounted "
+            f"{queued}), pending_tokens {counts.pending_tokens} ({tokens}), num_in_flight "
+            f"{counts.num_in_flight} ({len(ids)}), well formed: {well_formed}; queue: "
+            f"{list(itertools.chain(staged, pending))!r:.2000}"
         )
-    if sched.cache is not None:
-        sched.cache.check(itertools.chain((b.pins for b in in_flight), [sched.staged.pins()]))

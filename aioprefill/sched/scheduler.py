@@ -22,21 +22,13 @@ from typing import Any, ClassVar, Protocol
 
 from aioprefill.sched.batching import StagedBatch, split_step, take_batch
 from aioprefill.sched.columns import Columns
-from aioprefill.sched.invariants import recount
+from aioprefill.sched.invariants import Counts, recount
 from aioprefill.sched.prefix.cache import PrefixCache
 from aioprefill.sched.prefix.plan import BatchPlan
-from aioprefill.sched.units import Budget, Chunk, Request
+from aioprefill.sched.units import Budget, Chunk, InFlight, Request
 from aioprefill.wire.protocol import BatchFailed
 
 __all__ = ["BatchSink", "InFlight", "Scheduler"]
-
-
-class InFlight(Protocol):
-    """A batch the pool accepted; the scheduler fills in its chunks (and its cache pins)."""
-
-    chunks: list[Chunk]
-    pins: Any
-    answer: Any
 
 
 class BatchSink(Protocol):
@@ -341,7 +333,11 @@ class Scheduler:
     def check_invariants(self, in_flight: Iterable[InFlight]) -> None:
         """Recount the counters from the queue, the staged batch and the pool's batches, and
         the prefix cache's slots and pins (`aioprefill.sched.invariants`; AssertionError)."""
-        recount(self, list(in_flight))
+        batches = list(in_flight)
+        counts = Counts(self.num_pending, self.pending_tokens, self.num_in_flight)
+        recount(counts, list(self.pending), self.staged.requests, batches)
+        if self.cache is not None:
+            self.cache.check(itertools.chain((b.pins for b in batches), [self.staged.pins()]))
 
 
 def _first(plan: BatchPlan, c: Chunk) -> int:

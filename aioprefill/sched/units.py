@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aioprefill.wire.protocol import BatchFailed, BatchResult
 
-__all__ = ["Budget", "Chunk", "InFlightBatch", "Request"]
+__all__ = ["Budget", "Chunk", "InFlight", "InFlightBatch", "Request"]
 
 
 @dataclass(slots=True, eq=False)
@@ -104,3 +104,11 @@ class InFlightBatch:
     answers: int = 0  # ranks of the group that answered it so far
     answer: BatchResult | BatchFailed | None = None  # rank 0's, or the first rank's failure
     pins: Any = None  # aioprefill.sched.prefix.Pins: cache slots it uses, released with its answer
+
+
+class InFlight(Protocol):
+    """A batch the pool accepted; the scheduler fills in its chunks (and its cache pins)."""
+
+    chunks: list[Chunk]
+    pins: Any
+    answer: Any

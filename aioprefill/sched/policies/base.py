@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
 from aioprefill.sched.batching import Columns
-from aioprefill.sched.scheduler import InFlight, Scheduler
+from aioprefill.sched.scheduler import Scheduler
+from aioprefill.sched.units import InFlight
 
 __all__ = ["Batch", "DispatchPolicy", "Group", "Groups", "Timer"]
 
