@@ -27,7 +27,7 @@ import msgspec
 
 from aioprefill.sched.prefix.hashing import block_hashes
 from aioprefill.sched.prefix.index import BlockIndex, CacheObserver
-from aioprefill.sched.prefix.plan import BatchPlan, Pins
+from aioprefill.sched.prefix.plan import BatchPlan, Pins, PlanShared
 from aioprefill.sched.units import Budget, Request
 
 __all__ = ["PrefixCache", "PrefixCacheStats"]
@@ -67,17 +67,38 @@ class PrefixCache:
         store_keys: bool = True,
     ) -> None:
         self.slots = slots
-        self.store_keys = store_keys  # batches carry their written blocks' hashes (a KV store)
         self.block_tokens = block_tokens
         self.min_bytes = 4 * block_tokens  # a prompt shorter than this has no block to hash
-        self.max_read_blocks = max_read_blocks  # per batch: its frame must fit the ring
         self.indexes = [BlockIndex() for _ in slots]
         self._generation = [-1] * len(slots)  # the start of each group its index describes
-        self.observer = observer
-        self.queried_tokens = 0
-        self.hit_tokens = 0
+        # settings, observer and counters, shared with every plan (which adds to the counters)
+        self.shared = PlanShared(block_tokens, max_read_blocks, store_keys, self.indexes)
+        self.shared.observer = observer
         self.store_hit_tokens = 0  # the workers report them in their answers (Outcomes)
-        self.evictions = 0
+
+    @property
+    def observer(self) -> CacheObserver | None:
+        return self.shared.observer
+
+    @observer.setter
+    def observer(self, observer: CacheObserver | None) -> None:
+        self.shared.observer = observer
+
+    @property
+    def store_keys(self) -> bool:
+        return self.shared.store_keys
+
+    @property
+    def queried_tokens(self) -> int:
+        return self.shared.queried_tokens
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.shared.hit_tokens
+
+    @property
+    def evictions(self) -> int:
+        return self.shared.evictions
 
     def hashes(self, tokens: bytes, salt: str | None) -> list[int] | None:
         """The prompt's block hashes; None when it has no full block, or when no worker keeps
@@ -116,7 +137,7 @@ class PrefixCache:
         waits = None
         if route and len(slots) > 1:
             waits = [sum(b.num_tokens for b in s.in_flight) if s.usable else None for s in slots]
-        return BatchPlan(self, group, index, waits)
+        return BatchPlan(self.shared, group, index, waits)
 
     def index_of(self, group: int) -> BlockIndex | None:
         """The group's index (reset first if the group restarted since: the plans made

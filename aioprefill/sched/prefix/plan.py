@@ -28,17 +28,42 @@ meanwhile stay forgotten: harmless).
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from aioprefill.sched.prefix.index import BlockIndex
+from aioprefill.sched.prefix.index import BlockIndex, CacheObserver
 from aioprefill.sched.units import Chunk, Request
 
-if TYPE_CHECKING:
-    from aioprefill.sched.prefix.cache import PrefixCache
+__all__ = ["BatchPlan", "Pins", "PlanShared"]
 
-__all__ = ["BatchPlan", "Pins"]
+
+class PlanShared:
+    """What a `PrefixCache` shares with each `BatchPlan` it makes: its settings, every group's
+    index (for routing), its observer, and the counters a plan adds to when it is sent. The
+    cache reads the counters back from here (`PrefixCache.stats`)."""
+
+    __slots__ = (
+        "block_tokens",
+        "evictions",
+        "hit_tokens",
+        "indexes",
+        "max_read_blocks",
+        "observer",
+        "queried_tokens",
+        "store_keys",
+    )
+
+    def __init__(
+        self, block_tokens: int, max_read_blocks: int, store_keys: bool, indexes: list[BlockIndex]
+    ) -> None:
+        self.block_tokens = block_tokens
+        self.max_read_blocks = max_read_blocks  # per batch: its frame must fit the ring
+        self.store_keys = store_keys  # batches carry their written blocks' hashes (a KV store)
+        self.indexes = indexes  # one per group, the cache's own list
+        self.observer: CacheObserver | None = None
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.evictions = 0
 
 
 class Pins:
@@ -83,7 +108,7 @@ class BatchPlan:
     )
 
     def __init__(
-        self, cache: PrefixCache, group: int, index: BlockIndex, waits: list[int | None] | None
+        self, cache: PlanShared, group: int, index: BlockIndex, waits: list[int | None] | None
     ) -> None:
         self.cache = cache
         self.group = group
