@@ -20,7 +20,7 @@ got (`cached_tokens`), the missing blocks put in the first category that explain
   busy / timeout   the load buffer was still owned by a late call / the lookup passed its deadline
   unannounced      (`--directory`) no node had announced the chain's head: no call made
 
-    python benchmarks/studies/kvstore/kvstore_gap.py [bench_kvstore_cluster's options]
+    python benchmarks/kvstore_gap.py [bench_kvstore_cluster's options]
 """
 
 from __future__ import annotations
@@ -34,11 +34,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: common.py
 import bench_kvstore_cluster as bench
-import common  # noqa: F401  (puts the repository and benchmarks/ on sys.path)
+import numpy as np
 
 from aioprefill import Engine, EngineConfig, KVStoreOptions, SimModel
 from aioprefill.bench.presets import SIM_PRESETS
