@@ -66,8 +66,10 @@ def main() -> None:
     paddle.base.core.set_num_threads(args.threads)
     ours = Products("cpu", args.threads, None)
     assert ours.uses_onednn, "this paddle wheel has no oneDNN sgemm"
-    print(f"$ python benchmarks/studies/ctranslate2/bench_gemm.py --threads {args.threads} "
-          f"--rows {args.rows}")
+    print(
+        f"$ python benchmarks/studies/ctranslate2/bench_gemm.py --threads {args.threads} "
+        f"--rows {args.rows}"
+    )
     print(f"libraries: {library_versions()}")
     print(
         f"{'model':14} {'product':8} {'rows':>5} {'n':>6} {'k':>5} {'MKL':>7} {'oneDNN':>7} "
