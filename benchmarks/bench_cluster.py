@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,20 +44,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from common import ROOT, TRACE, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 ROUTER = Path(sys.executable).parent / "vllm-router"
 GPU_CLASS = ("--sim-fixed-ms", "10.9", "--sim-per-token-us", "25.7")
 KV_BYTES_PER_TOKEN = 131072  # SimModel's nominal KV size (Llama-3-8B's): the cache budget unit
 VOCAB = 32000
 TRACE_BLOCK = 512
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

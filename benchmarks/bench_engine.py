@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 import uvloop
+from common import proc_cpu_s
 
 from aioprefill import Engine, EngineConfig, SimModel
 
@@ -163,20 +164,14 @@ async def throughput(policy: str, num_requests: int, profile: bool) -> tuple[flo
     return num_requests / elapsed, report
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def idle_cpu(seconds: float) -> float:
     """CPU seconds used by the engine process and 2 idle workers over `seconds` of wall time."""
     async with Engine(EngineConfig(model=SimModel(fixed_ms=1.0), num_workers=2)) as engine:
         await engine.prefill([1])
         pids = [os.getpid(), *engine.worker_pids()]
-        before = sum(_cpu_seconds(p) for p in pids)
+        before = sum(proc_cpu_s(p) for p in pids)
         await asyncio.sleep(seconds)  # the engine idles; this sleep is the measurement window
-        after = sum(_cpu_seconds(p) for p in pids)
+        after = sum(proc_cpu_s(p) for p in pids)
     return after - before
 
 

@@ -9,7 +9,8 @@ apart), against the same turn with no publisher calls (ABBA blocks; the differen
 
 Shapes, one per row:
 
-* `gpu-class sat`: the GPU-class sim's saturation point in benchmarks/results/bench_gpu.txt,
+* `gpu-class sat`: the GPU-class sim's saturation point in
+  benchmarks/results/policies/bench_gpu.txt,
   ~500 requests/s in forwards of ~100 requests of ~64 tokens: 4 new blocks per request, each
   stored block evicting one (a full cache), one turn per forward;
 * `trace`: the Mooncake synthetic trace's shape (prompts of ~10k tokens: ~600 blocks, of which

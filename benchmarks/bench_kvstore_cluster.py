@@ -36,14 +36,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import TRACE
 
 from aioprefill import Engine, EngineConfig, KVStoreOptions, SimModel
 from aioprefill.bench.presets import SIM_PRESETS
 from aioprefill.kvstore.master import LocalMaster
 
-_NAME = Path("shared", "traces", "mooncake_synthetic_trace.jsonl")
-# The repository's sibling `shared/` (a worktree may sit deeper: the first one found upwards).
-TRACE = next((p / _NAME for p in Path(__file__).resolve().parents if (p / _NAME).is_file()), _NAME)
 NODES = 4
 
 

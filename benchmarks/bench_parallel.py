@@ -29,14 +29,9 @@ import time
 
 import numpy as np
 import uvloop
+from common import proc_cpu_s
 
 from aioprefill import Engine, EngineConfig, SimModel
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def bubble_us(tp_size: int, num_requests: int) -> float:
@@ -62,12 +57,12 @@ async def ep_idle(policy: str, seconds: float) -> tuple[float, float]:
         await asyncio.gather(*(engine.prefill([1, 2, 3]) for _ in range(8)))
         await asyncio.sleep(0.2)  # let the last step finish
         pids = [os.getpid(), *engine.worker_pids()]
-        empties, cpu = engine.stats().empty_batches, sum(_cpu_seconds(p) for p in pids)
+        empties, cpu = engine.stats().empty_batches, sum(proc_cpu_s(p) for p in pids)
         t0 = time.monotonic()
         await asyncio.sleep(seconds)  # the engine idles: this sleep is the measurement window
         wall = time.monotonic() - t0
         empties = engine.stats().empty_batches - empties
-        cpu = sum(_cpu_seconds(p) for p in pids) - cpu
+        cpu = sum(proc_cpu_s(p) for p in pids) - cpu
     return empties / wall, 100.0 * cpu / wall
 
 

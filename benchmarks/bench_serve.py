@@ -27,11 +27,11 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import httpx
 import uvloop
-from bench_servers import ROOT, Pool, bursty, free_port, saturated
+from bench_servers import Pool, bursty, saturated
+from common import ROOT, free_port, tree_cpu_s
 
 SIM = ["--model", "sim", "--sim-fixed-ms", "0.5", "--sim-per-token-us", "0"]
 # name -> (command after `python`, path, body kind)
@@ -49,21 +49,9 @@ VARIANTS: dict[str, tuple[list[str], bytes, str]] = {
     "example asgi /prefill": (
         [str(ROOT / "examples" / "asgi_server.py"), "--sim-fixed-ms", "0.5",
          "--sim-per-token-us", "0"], b"/prefill", "t"),
-    "mosec /inference": ([str(ROOT / "benchmarks" / "mosec_server.py")], b"/inference", "c"),
+    "mosec /inference": (
+        [str(ROOT / "benchmarks" / "tools" / "mosec_server.py")], b"/inference", "c"),
 }  # fmt: skip
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds so far of `pid`, its threads and all its descendants (schedstat, ns)."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            for task in Path(f"/proc/{p}/task").iterdir():
-                with contextlib.suppress(FileNotFoundError):
-                    total += int((task / "schedstat").read_text().split()[0])
-                    todo += [int(c) for c in (task / "children").read_text().split()]
-    return total / 1e9
 
 
 class Server:

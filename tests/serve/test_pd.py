@@ -4,7 +4,7 @@ its own that pulls the prefill node's KV through Mooncake and generates greedily
 chat and completions requests sent with the official client through the router, the decode
 node pulled the KV, and the prompt's token ids, the new tokens and their text equal
 transformers' own greedy `generate` on the whole prompt (tests/data/smollm2/pd_generate.json,
-made by benchmarks/make_pd_goldens.py in the reference venv).
+made by benchmarks/tools/make_pd_goldens.py in the reference venv).
 
 Two decode nodes, one fixture each:
 - `reference`: tests/serve/pd_decode_reference.py, the float64 NumPy reference model

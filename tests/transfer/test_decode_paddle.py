@@ -4,7 +4,7 @@ local export bit for bit and the float64 reference's K/V, and one decode step th
 the pulled KV gives the next-token logits of a full prefill of prompt + token (the float64
 reference's and the engine's own), whole and chunked prompts. transformers' own
 `past_key_values` and decode-step logits for the same prompts (kv_golden.npz, made by
-benchmarks/make_kv_goldens.py) are checked too."""
+benchmarks/tools/make_kv_goldens.py) are checked too."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ async def test_pulled_kv_of_a_real_checkpoint_decodes_like_a_full_prefill(tmp_pa
     model = PaddleModel.from_pretrained(DATA / NAME, device="cpu")
     w64 = as64(load_file(str(DATA / NAME / "model.safetensors")))
     ps = expected(NAME)["prompts"]
-    prompts = [ps[2], ps[5], max(ps, key=len)]  # as benchmarks/make_kv_goldens.py
+    prompts = [ps[2], ps[5], max(ps, key=len)]  # as benchmarks/tools/make_kv_goldens.py
     hf = np.load(DATA / NAME / "kv_golden.npz")
     config = EngineConfig(model=model, kv_transfer="mooncake", max_batch_tokens=16)
     async with Engine(config) as engine:
