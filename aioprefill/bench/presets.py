@@ -25,8 +25,9 @@ SIM_PRESETS: Final[dict[str, SimModel]] = {
     # A GPU-class prefill model: a Llama-3-8B-shaped forward (32 layers, hidden 4096, GQA 32/8,
     # FFN 14336, vocab 128256, bf16, random weights, eager PyTorch + causal SDPA) on one NVIDIA
     # H200, 19 batch shapes from 1x16 to 1x16384 tokens, fitted with relative-error weights by
-    # benchmarks/fit_gpu_preset.py (raw figures: benchmarks/results/gpu_fit_h200.json; the fit
-    # is within 35% everywhere, worst at tiny batches where kernel launches dominate).
+    # benchmarks/tools/fit_gpu_preset.py (raw figures:
+    # benchmarks/results/policies/gpu_fit_h200.json; the fit is within 35% everywhere, worst at
+    # tiny batches where kernel launches dominate).
     "gpu-class": SimModel(fixed_ms=10.9, per_token_us=25.7, attn_ns=0.69, vocab_size=32000),
     # gpu-class replaying a Mooncake trace scaled down 16x in tokens (hash ids of 32 tokens,
     # not 512) and sped up 40x in time: per-token costs x 16 / 40,

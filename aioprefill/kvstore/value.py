@@ -23,8 +23,9 @@ refused by a node that has a secret, a CRC32 value by every node), B, the identi
 are compared whole against the bytes they must be (one comparison each; the fields are told
 apart only to name why a value is refused). XXH3 (`xxhash`, the kvstore extra) runs at
 65-90 GB/s here, zlib's CRC32 (the first kind) at 4-6: a 32 KiB block's check took 9-13 us
-with CRC32 and the field-by-field checks, 2-3 us now (`benchmarks/bench_kvstore_checks.py`). The
-block hash is chained (it names the parent's hash, and the salt), so the hash and the tokens
+with CRC32 and the field-by-field checks, 2-3 us now
+(`benchmarks/studies/kvstore/bench_kvstore_checks.py`). The block hash is chained (it names the
+parent's hash, and the salt), so the hash and the tokens
 together pin the block's place in its prompt.
 Written by the put thread; checked by the load thread.
 """

@@ -1,5 +1,5 @@
 """`aioprefill.serve`: an OpenAI-compatible HTTP server over one `Engine`
-(`python -m aioprefill.serve --model PATH`; see README, "Serving over HTTP").
+(`python -m aioprefill.serve --model PATH`; see docs/serving.md).
 
 | module | what it holds |
 | --- | --- |

@@ -7,8 +7,9 @@ target's logit read them, then they are shifted by the row's maximum and exponen
 summed in float32 with NumPy's pairwise sum (relative error ~1e-7 over 8192 terms, against ~5e-5
 for a sequential float32 sum); the slices' sums join in float64 (`join`, the rule a tensor-parallel
 head joins its ranks with). Measured on an AMD EPYC Zen 5, 1 thread, SmolLM2's 49152 x 576 head
-(benchmarks/bench_head.py, CPU us per row, product and reduction): 330 on tiles of 1024 rows in
-slices of 8192 (oneDNN, 172 GFLOP/s overall), 363 on 512-row tiles, against 578 for the rule before
+(benchmarks/studies/ctranslate2/bench_head.py, CPU us per row, product and reduction): 330 on
+tiles of 1024 rows in slices of 8192 (oneDNN, 172 GFLOP/s overall), 363 on 512-row tiles, against
+578 for the rule before
 (128-row tiles of whole rows, a float64-accumulated sum of a shifted copy); MKL 606 against ~680.
 A device keeps one product over its vocabulary and sums there in float64. Every result is per row
 and the slices are fixed, so a row's result depends on its logits only (batch invariance), given
@@ -26,7 +27,8 @@ import paddle
 __all__ = ["HEAD_ROWS", "VOCAB_CHUNK", "HeadRows", "head_rows", "join"]
 
 # Prompt log-probabilities run the head on at most HEAD_ROWS rows at a time (default mode), each
-# tile against VOCAB_CHUNK vocabulary rows at a time on the CPU (benchmarks/bench_head.py).
+# tile against VOCAB_CHUNK vocabulary rows at a time on the CPU
+# (benchmarks/studies/ctranslate2/bench_head.py).
 HEAD_ROWS = 1024
 VOCAB_CHUNK = 8192
 

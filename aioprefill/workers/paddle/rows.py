@@ -8,8 +8,9 @@ libraries take one kernel family for all row counts above some size. That size i
 the CPU's and the thread count's: Intel MKL 2019 (Paddle's wheel) keeps a row bitwise from 56 rows
 on an AMD EPYC with 1 thread, from 16 on an Intel Xeon with 1 thread, but on that Xeon with 2
 threads the MLP's down projection moves rows at 63-128 rows against a 1,050-row product
-(benchmarks/results/mkl_rows.txt, hit_exact.txt). So the worker checks its own shapes with its own
-thread count: the last m rows of a 1,050-row product against an m-row product, m from 16 to 280
+(benchmarks/results/ctranslate2/mkl_rows.txt, benchmarks/results/prefix/hit_exact.txt). So
+the worker checks its own shapes with its own thread count: the last m rows of a 1,050-row product
+against an m-row product, m from 16 to 280
 (the head: 16-512 rows against 1024, the tiles its prompt log-probabilities run in, on
 the CPU against one vocabulary slice, `paddle.logits`), on random inputs
 (kernels are chosen by shape, not values), and pads to the smallest of 16, 32, 64 rows above every
