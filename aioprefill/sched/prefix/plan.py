@@ -12,6 +12,17 @@ questions per request and tells it each chunk it takes, in batch order:
   should wait for that group (the routing rule, `PrefixCache` docs);
 - `place(req, start, end, cached)`: the chunk, its reads and its writes decided and pinned.
 
+How `place` slices one prompt of n tokens in blocks of B (here a first chunk, `start` 0):
+
+    tokens   0         cached         end                       n
+             |==========|==============|.........................|
+    blocks   | read     | written      | later chunks            |
+             |<- reads: whole blocks held by this group (never the last token)
+                        |<- run: the full blocks [cached/B, end/B) the group does not hold,
+                            stopping at the first one it holds; `taken` of them get slots
+                            (written), the rest are the tail (a store puts them)
+    a later chunk starts at its `start`, reads nothing, and re-pins its earlier blocks.
+
 Only the first chunk computed of a prompt reads; every chunk writes the full blocks it
 completes that the group does not hold yet (stopping at the first one it holds, or when every
 slot is pinned). With a KV store (`store_keys`), the written blocks' hashes travel too, and so
