@@ -24,7 +24,10 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     best tokens given tokens < i+1 (aligned with `prompt_logprobs`), best first; `embedding`
     float32[hidden] (the final-norm hidden state of the last token, or its mean over the
     prompt's tokens, L2-normalised with `normalize=True`); `kv`, a `KVExport` handle (`with
-    r.kv as kv: kv.keys, kv.values`) to close when done. The arrays are read-only.
+    r.kv as kv: kv.keys, kv.values`) to close when done; `label_logprobs` float32[len(
+    label_token_ids)], the log-softmax over the whole vocabulary at the last position read at
+    those ids, in their order (the greedy token's equals `logprob`, as float32). The arrays are
+    read-only.
 
     `cached_tokens`: prompt tokens read from the worker's prefix cache instead of computed
     (whole blocks, never the last token; blocks another request of the same batch computed
@@ -52,6 +55,7 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     embedding: np.ndarray | None = None
     prompt_top_k_ids: np.ndarray | None = None
     prompt_top_k_logprobs: np.ndarray | None = None
+    label_logprobs: np.ndarray | None = None
     kv: KVExport | None = None
 
     @property

@@ -129,6 +129,7 @@ class Engine(EngineControls):
         embed: str | None = None,
         normalize: bool = False,
         return_kv: bool = False,
+        label_token_ids: Any = None,
         deadline_s: float | None = None,
         request_id: str | int | None = None,
         cache_salt: str | None = None,
@@ -141,7 +142,7 @@ class Engine(EngineControls):
         (float32[n-1]), `top_k` alternatives at the last position (`prompt_top_k=True`, with
         both: at every prompt position too, int32/float32[n-1, top_k]), `embed="last"|"mean"`
         (final-norm hidden state; `normalize=True` for unit L2 norm), `return_kv` (a
-        `KVExport` handle on `result.kv`: close it when done; see docs/kv-export.md).
+        `KVExport` handle on `result.kv`: docs/kv-export.md), `label_token_ids` (logprobs).
 
         Raises `InvalidRequest` for a bad prompt or option and, past `max_pending` waiting
         requests, `EngineOverloaded` — or, with `wait=True`, waits for room instead;
@@ -167,6 +168,7 @@ class Engine(EngineControls):
                 normalize=normalize,
                 return_kv=return_kv,
                 vocab_size=vocab_size,
+                label_token_ids=label_token_ids,
             )
             sched = self._sched
             if sched.num_pending >= self.config.max_pending:

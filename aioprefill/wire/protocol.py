@@ -92,6 +92,7 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
     options: bytes = b""
     top_k: bytes = b""
     kv_names: list[str] = msgspec.field(default_factory=list)
+    labels: bytes = b""  # int32: n+1 offsets, then each request's label token ids (b"": none)
     # Prefix cache (all empty when no request of the batch reads or writes a cached block).
     # The engine owns the worker's block slots (`Ready.cache_blocks` of them): it decides which
     # slot holds which block, so the worker never evicts on its own.
@@ -264,6 +265,7 @@ class BatchResult(msgspec.Struct, tag=True, array_like=True):
     embed_dim: int = 0
     prompt_top_k_ids: bytes = b""
     prompt_top_k_logprobs: bytes = b""
+    label_logprobs: bytes = b""  # float32: finished requests' label token logprobs, batch order
     loaded_tokens: bytes = b""  # int32[n], per chunk: tokens loaded from the store (b"": none)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
