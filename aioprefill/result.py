@@ -26,6 +26,11 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     prompt's tokens, L2-normalised with `normalize=True`); `kv`, a `KVExport` handle (`with
     r.kv as kv: kv.keys, kv.values`) to close when done. The arrays are read-only.
 
+    An encoder model (BERT, XLM-RoBERTa) has no next token: `token` is -1 and `logprob` 0.0;
+    every result carries `embedding` (the model's own pooling and Normalize unless `embed=` /
+    `normalize=` ask otherwise) and, for a *ForSequenceClassification model, `scores`
+    float32[num_labels], its classifier's raw logits (docs/embedding.md).
+
     `cached_tokens`: prompt tokens read from the worker's prefix cache instead of computed
     (whole blocks, never the last token; blocks another request of the same batch computed
     included); every output is the same as without the cache.
@@ -53,6 +58,7 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     prompt_top_k_ids: np.ndarray | None = None
     prompt_top_k_logprobs: np.ndarray | None = None
     kv: KVExport | None = None
+    scores: np.ndarray | None = None
 
     @property
     def ttft_ns(self) -> int:

@@ -127,11 +127,12 @@ class Engine(EngineControls):
         top_k: int = 0,
         prompt_top_k: bool = False,
         embed: str | None = None,
-        normalize: bool = False,
+        normalize: bool | None = None,
         return_kv: bool = False,
         deadline_s: float | None = None,
         request_id: str | int | None = None,
         cache_salt: str | None = None,
+        token_type_ids: Any = None,
     ) -> PrefillResult:
         """Run the prefill of one prompt; return its greedy next token and timings.
 
@@ -140,8 +141,8 @@ class Engine(EngineControls):
         Output options (each computed only for the requests that ask): `prompt_logprobs`
         (float32[n-1]), `top_k` alternatives at the last position (`prompt_top_k=True`, with
         both: at every prompt position too, int32/float32[n-1, top_k]), `embed="last"|"mean"`
-        (final-norm hidden state; `normalize=True` for unit L2 norm), `return_kv` (a
-        `KVExport` handle on `result.kv`: close it when done; see docs/kv-export.md).
+        (final-norm hidden state; `normalize=True` for unit L2 norm), `return_kv` (a `KVExport`
+        handle on `result.kv`: close it; docs/kv-export.md). Encoders: docs/embedding.md.
 
         Raises `InvalidRequest` for a bad prompt or option and, past `max_pending` waiting
         requests, `EngineOverloaded` — or, with `wait=True`, waits for room instead;
@@ -167,6 +168,7 @@ class Engine(EngineControls):
                 normalize=normalize,
                 return_kv=return_kv,
                 vocab_size=vocab_size,
+                encoder=(self.config.model, token_type_ids, len(prompt) >> 2),
             )
             sched = self._sched
             if sched.num_pending >= self.config.max_pending:
