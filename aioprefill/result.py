@@ -29,6 +29,11 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     those ids, in their order (the greedy token's equals `logprob`, as float32). The arrays are
     read-only.
 
+    An encoder model (BERT, XLM-RoBERTa) has no next token: `token` is -1 and `logprob` 0.0;
+    every result carries `embedding` (the model's own pooling and Normalize unless `embed=` /
+    `normalize=` ask otherwise) and, for a *ForSequenceClassification model, `scores`
+    float32[num_labels], its classifier's raw logits (docs/embedding.md).
+
     `cached_tokens`: prompt tokens read from the worker's prefix cache instead of computed
     (whole blocks, never the last token; blocks another request of the same batch computed
     included); every output is the same as without the cache.
@@ -57,6 +62,7 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     prompt_top_k_logprobs: np.ndarray | None = None
     label_logprobs: np.ndarray | None = None
     kv: KVExport | None = None
+    scores: np.ndarray | None = None
 
     @property
     def ttft_ns(self) -> int:

@@ -25,6 +25,7 @@ import numpy as np
 from aioprefill.errors import InvalidRequest, InvalidRequestType, ProtocolError
 from aioprefill.shm.spill import read_spilled
 from aioprefill.wire import protocol
+from aioprefill.wire.encoder import OPT_EMBED_CLS, encoder_bits, token_types_bytes
 from aioprefill.wire.kv import KVExports, KVTicket
 from aioprefill.wire.protocol import BatchResult, Spilled
 
@@ -51,6 +52,8 @@ class Outputs:
     parts: list[np.ndarray] = field(default_factory=list)
     top_parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     labels: np.ndarray | None = None  # int32 label token ids (last position logprobs)
+    types: bytes | None = None  # an encoder prompt's token type ids, uint8 per token
+    num_tokens: int = 0  # (encoders: the prompt's length, for the token types column)
 
 
 def _flag(value: object, name: str) -> bool:
@@ -69,8 +72,24 @@ def parse_outputs(
     return_kv: object,
     vocab_size: int,
     label_token_ids: object = None,
+    encoder: tuple[Any, object, int] | None = None,
 ) -> Outputs | None:
-    """Validate `prefill()`'s output options; None when none is asked (the common case)."""
+    """Validate `prefill()`'s output options; None when none is asked (the common case).
+    `encoder`: (the engine's model spec, `token_type_ids`, the prompt's length); an encoder
+    model (`wire.encoder`) always answers with an embedding and takes token type ids."""
+    model: Any
+    model, token_type_ids, num_tokens = encoder or (None, None, 0)
+    if getattr(model, "is_encoder", False):
+        if label_token_ids is not None:
+            raise InvalidRequest("label_token_ids: only for decoder LMs, not encoder models")
+        asked = dict(prompt_logprobs=prompt_logprobs, top_k=top_k, prompt_top_k=prompt_top_k)
+        bits = encoder_bits(model, embed, normalize, {**asked, "return_kv": return_kv})
+        types = token_types_bytes(token_type_ids, num_tokens, model.type_vocab_size)
+        return Outputs(bits=bits, top_k=0, types=types, num_tokens=num_tokens)
+    if token_type_ids is not None:
+        raise InvalidRequest("token_type_ids: only for encoder models (BERT, XLM-RoBERTa)")
+    if normalize is None:  # the model's own choice: a decoder does not normalise
+        normalize = False
     if (
         label_token_ids is None
         and prompt_logprobs is False
@@ -130,13 +149,15 @@ def parse_labels(label_token_ids: object, vocab_size: int) -> np.ndarray:
 
 def option_columns(
     size: int, outputs: list[tuple[int, Outputs]]
-) -> tuple[bytes, bytes, list[str], bytes]:
-    """PrefillBatch's (options, top_k, kv_names, labels) for a batch of `size` requests, from
-    the (position, Outputs) of those that have options (`batching.Columns.outputs`)."""
+) -> tuple[bytes, bytes, list[str], bytes, bytes]:
+    """PrefillBatch's (options, top_k, kv_names, labels, token_types) for a batch of `size`
+    requests, from the (position, Outputs) of those that have options
+    (`batching.Columns.outputs`)."""
     bits = bytearray(size)
     top_k = [0] * size
     names = []
     labels: list[tuple[int, np.ndarray]] = []
+    types = False
     for at, out in outputs:
         bits[at] = out.bits
         top_k[at] = out.top_k
@@ -144,7 +165,11 @@ def option_columns(
             names.append(out.kv.name)
         if out.labels is not None:
             labels.append((at, out.labels))
-    return bytes(bits), struct.pack(f"<{size}i", *top_k), names, label_column(size, labels)
+        types = types or out.types is not None
+    # Token types (encoders, whose every request has Outputs): all of the batch's, or none.
+    type_column = b"".join(o.types or bytes(o.num_tokens) for _, o in outputs) if types else b""
+    labels_column = label_column(size, labels)
+    return bytes(bits), struct.pack(f"<{size}i", *top_k), names, labels_column, type_column
 
 
 def label_column(size: int, labels: list[tuple[int, np.ndarray]]) -> bytes:
@@ -187,8 +212,13 @@ class ResultColumns:
         self._emb = np.frombuffer(msg.embeddings, dtype="<f4")
         self._p_ids = np.frombuffer(msg.prompt_top_k_ids, dtype="<i4")
         self._p_lps = np.frombuffer(msg.prompt_top_k_logprobs, dtype="<f4")
-        self._labels = np.frombuffer(msg.label_logprobs, dtype="<f4")
+        self._label_lps = np.frombuffer(msg.label_logprobs, dtype="<f4")
         self._dim = msg.embed_dim
+        results = len(msg.request_ids) // 8
+        if len(msg.scores) % (4 * max(results, 1)):
+            raise ProtocolError("BatchResult scores are not float32 rows, one per result")
+        self._scores = np.frombuffer(msg.scores, dtype="<f4")
+        self._labels, self._score_at = len(self._scores) // max(results, 1), 0
         self._at = [0, 0, 0, 0, 0]  # cursors: top-k, prompt logprobs, embeddings, prompt top-k,
         # label logprobs
         self._ledger = ledger
@@ -231,11 +261,16 @@ class ResultColumns:
             fields["top_k_ids"] = self._take(0, self._ids, out.top_k)
             fields["top_k_logprobs"] = self._k_lps[at : at + out.top_k]
         if out.labels is not None:
-            fields["label_logprobs"] = self._take(4, self._labels, len(out.labels))
-        if out.bits & (protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN):
+            fields["label_logprobs"] = self._take(4, self._label_lps, len(out.labels))
+        if out.bits & (protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN | OPT_EMBED_CLS):
             if self._dim <= 0:
                 raise ProtocolError("BatchResult has embeddings without a dimension")
             fields["embedding"] = self._take(2, self._emb, self._dim)
+        if self._labels:  # an encoder classifier's logits, for every request it finishes
+            at = self._score_at = self._score_at + self._labels
+            if at > len(self._scores):
+                raise ProtocolError("BatchResult scores are shorter than the batch")
+            fields["scores"] = self._scores[at - self._labels : at]
         if out.kv is not None and self._ledger is not None:
             if alive and out.kv.state == "reserved":
                 fields["kv"] = self._ledger.open(out.kv)
@@ -245,8 +280,9 @@ class ResultColumns:
 
     def check_consumed(self) -> bool:
         """Whether every value was claimed by a chunk (else the worker and engine disagree)."""
-        sizes = [len(self._ids), len(self._plp), len(self._emb), len(self._p_ids)]
-        return self._at == [*sizes, len(self._labels)]
+        at = [len(self._ids), len(self._plp), len(self._emb), len(self._p_ids)]
+        at.append(len(self._label_lps))
+        return self._at == at and self._score_at == len(self._scores)
 
 
 def _rows(parts: list[np.ndarray], column: np.ndarray, k: int) -> np.ndarray:

@@ -53,6 +53,10 @@ def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
 
     place = spec.parallel
     grouped = place.size > 1
+    if isinstance(spec.model, PaddleModel) and spec.model.is_encoder:
+        from aioprefill.workers.paddle.encoder import EncoderRunner
+
+        return EncoderRunner(spec.model, spec.worker)
     if isinstance(spec.model, PaddleModel):
         try:
             from aioprefill.workers.paddle.runner import PaddleRunner
@@ -250,6 +254,7 @@ def _run_batch(
             top_k=top_k,
             kv_names=kv_names,
             **_labels(msg),
+            token_types=np.frombuffer(msg.token_types, np.uint8) if msg.token_types else None,
             **({} if cache is None else dict(zip(_CACHE_FIELDS, cache, strict=True))),
         )
         loaded = None
@@ -290,6 +295,7 @@ def _run_batch(
         prompt_top_k_logprobs=_column(out.prompt_top_k_logprobs, "<f4"),
         label_logprobs=_column(out.label_logprobs, "<f4"),
         loaded_tokens=b"" if loaded is None else loaded.astype("<i4").tobytes(),
+        scores=_column(out.scores, "<f4"),
     )
 
 

@@ -65,6 +65,7 @@ class ForwardBatch:
     write_hashes: np.ndarray | None = None  # uint64, the written blocks' hashes (store keys)
     tail_offsets: np.ndarray | None = None  # int32[n+1] into tail_hashes (store only)
     tail_hashes: np.ndarray | None = None  # uint64: blocks computed past each chunk's writes
+    token_types: np.ndarray | None = None  # uint8[offsets[-1]] (encoders); None: all zero
 
     @property
     def size(self) -> int:
@@ -114,6 +115,8 @@ class ForwardOutput:
     embeddings: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.float32))
     # Finished requests with label ids, back to back in batch order: one logprob per id.
     label_logprobs: np.ndarray = field(default_factory=lambda: _empty("float32"))
+    # float32[k, num_labels]: an encoder classifier's logits for every finished request.
+    scores: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.float32))
 
 
 class ModelRunner(Protocol):
