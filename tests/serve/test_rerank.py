@@ -9,6 +9,7 @@ rerank (400)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 
@@ -31,7 +32,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server():
     flags = ["--served-model-name", "smollm2", "--rerank-template", G["template"]]
-    with serve(*flags, "--max-documents", "20", "--max-prompt-tokens", "2048") as s:
+    limits = ["--max-documents", "20", "--max-prompt-tokens", "2048"]
+    with serve(*flags, *limits, "--workers", "1") as s:  # one worker: one prefix cache
         yield s
 
 
@@ -107,12 +109,15 @@ def test_embeddings_with_the_openai_client_dimensions_base64_and_truncation(serv
     text = ["The capital of France is", "Bananas are yellow."]
     full = post(http, "/v1/embeddings", {"input": text})["data"]
     with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
-        got = client.embeddings.create(
+        raw = client.embeddings.create(
             model="smollm2", input=text, dimensions=8, encoding_format="base64"
         )
-    for g, f in zip(got.data, full, strict=True):
-        assert len(g.embedding) == 8  # mean pooling, not normalised: the first 8 values
-        np.testing.assert_array_equal(np.float32(g.embedding), np.float32(f["embedding"][:8]))
+        auto = client.embeddings.create(model="smollm2", input=text, dimensions=8)  # it asks
+    for r, a, f in zip(raw.data, auto.data, full, strict=True):  # for base64 and decodes it
+        got = np.frombuffer(base64.b64decode(r.embedding), dtype="<f4")
+        assert len(got) == 8  # mean pooling, not normalised: the first 8 values
+        np.testing.assert_array_equal(got, np.float32(f["embedding"][:8]))
+        np.testing.assert_array_equal(np.float32(a.embedding), got)
     ids = post(http, "/tokenize", {"prompt": text[0]})["tokens"]
     cut = post(http, "/v1/embeddings", {"input": text[0], "truncate_prompt_tokens": 3})
     tail = post(http, "/v1/embeddings", {"input": ids[-3:]})
