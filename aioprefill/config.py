@@ -268,6 +268,8 @@ class EngineConfig:
             f"must be None, 'spawn' or 'forkserver' (never 'fork'); got {self.start_method!r}",
         )
         _finite_nonneg(self.shutdown_timeout_s, "EngineConfig.shutdown_timeout_s")
+        if isinstance(self.model, PaddleModel) and self.model.is_encoder:
+            _check_encoder(self)
         check_parallel(
             self.model, self.num_workers, self.tp_size, self.expert_parallel, self.policy
         )
@@ -287,8 +289,6 @@ class EngineConfig:
             "publishes the prefix cache's blocks: needs prefix_cache_bytes > 0",
         )
         _check_kv_store(self.kv_store, self.kv_store_options)
-        if isinstance(self.model, PaddleModel) and self.model.is_encoder:
-            _check_encoder(self)
         _require(
             self.kv_store is None or self.prefix_cache_bytes > 0,
             "EngineConfig.kv_store",

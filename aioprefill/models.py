@@ -296,6 +296,7 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
             "an encoder's attention has as many key/value heads as query heads",
         )
         _require(self.num_experts == 0, "PaddleModel.num_experts", "encoders have dense MLPs")
+        _require(self.dtype == "float32", "PaddleModel.dtype", "encoders run float32 only (yet)")
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], **overrides: object) -> PaddleModel:
