@@ -256,8 +256,8 @@ class Service:
                 "max_model_len": self.max_model_len,
                 "vocab_size": self.vocab_size,
                 "has_tokenizer": self.tokenizer is not None,
-                "pooling": self.settings.pooling,
-                "normalize": self.settings.normalize,
+                "pooling": self.pooling()[0],
+                "normalize": self.pooling()[1],
                 "version": aioprefill.__version__,
                 "engine": {
                     "num_workers": c.num_workers,
