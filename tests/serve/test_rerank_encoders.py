@@ -32,7 +32,9 @@ def bert():
 
 @pytest.fixture(scope="module")
 def minilm():
-    with serve("--model", str(minilm_dir()), "--served-model-name", "minilm") as s:
+    with serve(
+        "--model", str(minilm_dir()), "--served-model-name", "minilm", "--workers", "1"
+    ) as s:
         yield s
 
 
