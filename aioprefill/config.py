@@ -6,6 +6,7 @@ one raises `InvalidConfig` naming the field.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -49,6 +50,43 @@ def _require_paddle_installed() -> None:
         "EngineConfig.model",
         f"PaddleModel needs {' and '.join(missing)}, not installed here: {PADDLE_EXTRA_HINT}",
     )
+
+
+def _check_encoder(config: EngineConfig) -> None:
+    """What an encoder model (BERT, XLM-RoBERTa) cannot do, refused naming the setting; its
+    prefix cache (on by default) is turned off, with a log line: a bidirectional encoder's
+    states depend on the whole prompt, so no prefix of one can serve another."""
+    model = config.model
+    assert isinstance(model, PaddleModel)
+    arch = model.architecture
+    positions = model.max_position_embeddings - model.position_offset
+    for ok, name, why in (
+        (config.tp_size == 1, "tp_size", "no tensor parallelism for encoders yet"),
+        (not config.expert_parallel, "expert_parallel", "encoders have no experts"),
+        (config.kv_transfer is None, "kv_transfer", "an encoder keeps no KV cache to send"),
+        (config.kv_store is None, "kv_store", "an encoder has no prefix cache"),
+        (config.kv_events_endpoint is None, "kv_events_endpoint", "it has no prefix cache"),
+        (
+            config.max_prompt_tokens is not None and config.max_prompt_tokens <= positions,
+            "max_prompt_tokens",
+            f"{config.max_prompt_tokens} exceeds its position table ({positions})",
+        ),
+        (
+            config.max_prompt_tokens is not None
+            and config.max_prompt_tokens <= config.max_batch_tokens,
+            "max_prompt_tokens",
+            f"{config.max_prompt_tokens} exceeds max_batch_tokens={config.max_batch_tokens}: "
+            "an encoder's prompt is never chunked",
+        ),
+    ):
+        _require(ok, f"EngineConfig.{name}", f"not for the encoder {arch}: {why}")
+    if config.prefix_cache_bytes:
+        logging.getLogger("aioprefill").info(
+            "EngineConfig.prefix_cache_bytes: turned off for the encoder %s (its states depend "
+            "on the whole prompt)",
+            arch,
+        )
+        config.prefix_cache_bytes = 0
 
 
 def _check_kv_transfer(kind: object, options: object) -> None:
@@ -230,6 +268,8 @@ class EngineConfig:
             f"must be None, 'spawn' or 'forkserver' (never 'fork'); got {self.start_method!r}",
         )
         _finite_nonneg(self.shutdown_timeout_s, "EngineConfig.shutdown_timeout_s")
+        if isinstance(self.model, PaddleModel) and self.model.is_encoder:
+            _check_encoder(self)
         check_parallel(
             self.model, self.num_workers, self.tp_size, self.expert_parallel, self.policy
         )
@@ -275,7 +315,8 @@ class EngineConfig:
         # request id, offset, start position, prompt length, flags; output options, top_k and
         # a KV export's segment name (~50 bytes of msgpack str) when a request asks for them.
         per_request = 8 + 4 + 4 + 4 + 1 + 1 + 4 + 64 + 12  # (+ prefix cache offsets)
-        return 4 * self.max_batch_tokens + per_request * (self.max_batch_size + 1) + 4096
+        types = self.max_batch_tokens if getattr(self.model, "is_encoder", False) else 0
+        return (4 * self.max_batch_tokens + types) + per_request * (self.max_batch_size + 1) + 4096
 
     def effective_ring_capacity(self) -> int:
         """The ring size used: room for at least four full batches, a power of two >= 1 MiB."""

@@ -16,7 +16,15 @@ from aioprefill.checks import finite_nonneg as _finite_nonneg
 from aioprefill.checks import positive_int as _positive_int
 from aioprefill.checks import require as _require
 
-__all__ = ["ARCHITECTURES", "ROPE_TYPES", "ModelSpec", "PaddleModel", "SimModel"]
+__all__ = [
+    "ARCHITECTURES",
+    "ENCODER_ARCHITECTURES",
+    "POOLINGS",
+    "ROPE_TYPES",
+    "ModelSpec",
+    "PaddleModel",
+    "SimModel",
+]
 
 
 class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
@@ -81,13 +89,23 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True, tag="sim"):
         )
 
 
-ARCHITECTURES = (
+ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
 )
+# Bidirectional encoders (BERT, XLM-RoBERTa): no LM head, a pooled embedding per prompt and,
+# for the *ForSequenceClassification ones, their classifier's logits (docs/embedding.md).
+ENCODER_ARCHITECTURES = (
+    "BertModel",
+    "BertForSequenceClassification",
+    "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification",
+)
+ARCHITECTURES += ENCODER_ARCHITECTURES
+POOLINGS = ("cls", "mean", "last")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -141,6 +159,18 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
     deterministic: bool = False
     num_experts: int = 0  # 0: dense MLPs
     num_experts_per_tok: int = 2
+    # Encoders only (ENCODER_ARCHITECTURES; all zero/None for decoders): LayerNorm's epsilon,
+    # the token type table's rows, the first position id (XLM-R: padding_idx + 1), the
+    # classifier's labels (0: no classifier), the model's own pooling of the last hidden states
+    # and whether it L2-normalises (sentence-transformers' Pooling and Normalize modules), and
+    # the longest prompt it takes (sentence-transformers' max_seq_length; 0: the position table).
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    num_labels: int = 0
+    pooling: Literal["cls", "mean", "last"] | None = None
+    normalize: bool = False
+    max_seq_length: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -170,8 +200,10 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
             "PaddleModel.num_kv_heads",
             f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}",
         )
+        if self.is_encoder:
+            self._check_encoder()
         _require(
-            self.head_dim % 2 == 0,
+            self.is_encoder or self.head_dim % 2 == 0,
             "PaddleModel.head_dim",
             f"must be even for RoPE, got {self.head_dim}",
         )
@@ -229,6 +261,43 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
                 "bitwise batch invariance is not implemented for mixture-of-experts layers",
             )
 
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (BERT, XLM-RoBERTa): embeddings and scores, no next token."""
+        return self.architecture in ENCODER_ARCHITECTURES
+
+    def _check_encoder(self) -> None:
+        _finite_nonneg(self.layer_norm_eps, "PaddleModel.layer_norm_eps")
+        _positive_int(self.type_vocab_size, "PaddleModel.type_vocab_size")
+        _require(self.type_vocab_size <= 256, "PaddleModel.type_vocab_size", "must be at most 256")
+        _positive_int(self.position_offset, "PaddleModel.position_offset", allow_zero=True)
+        _require(
+            self.position_offset < self.max_position_embeddings,
+            "PaddleModel.position_offset",
+            f"must be below max_position_embeddings={self.max_position_embeddings}",
+        )
+        _positive_int(self.num_labels, "PaddleModel.num_labels", allow_zero=True)
+        classifier = self.architecture.endswith("ForSequenceClassification")
+        _require(
+            (self.num_labels > 0) == classifier,
+            "PaddleModel.num_labels",
+            f"{self.architecture} {'needs' if classifier else 'has no'} classifier labels",
+        )
+        _require(
+            self.pooling in POOLINGS,
+            "PaddleModel.pooling",
+            f"must be one of {', '.join(POOLINGS)} for an encoder; got {self.pooling!r}",
+        )
+        _require(isinstance(self.normalize, bool), "PaddleModel.normalize", "must be a bool")
+        _positive_int(self.max_seq_length, "PaddleModel.max_seq_length", allow_zero=True)
+        _require(
+            self.num_kv_heads == self.num_heads,
+            "PaddleModel.num_kv_heads",
+            "an encoder's attention has as many key/value heads as query heads",
+        )
+        _require(self.num_experts == 0, "PaddleModel.num_experts", "encoders have dense MLPs")
+        _require(self.dtype == "float32", "PaddleModel.dtype", "encoders run float32 only (yet)")
+
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], **overrides: object) -> PaddleModel:
         """The spec of a Hugging Face checkpoint directory (`config.json` plus `model.safetensors`
@@ -248,7 +317,11 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt this model computes exactly: its positions, and its sliding window
-        (longer prompts would need the window's mask, which the forward does not apply)."""
+        (longer prompts would need the window's mask, which the forward does not apply); for
+        an encoder, its max_seq_length within its position table."""
+        if self.is_encoder:
+            positions = self.max_position_embeddings - self.position_offset
+            return min(self.max_seq_length or positions, positions)
         if self.sliding_window is None:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)

@@ -24,7 +24,15 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     best tokens given tokens < i+1 (aligned with `prompt_logprobs`), best first; `embedding`
     float32[hidden] (the final-norm hidden state of the last token, or its mean over the
     prompt's tokens, L2-normalised with `normalize=True`); `kv`, a `KVExport` handle (`with
-    r.kv as kv: kv.keys, kv.values`) to close when done. The arrays are read-only.
+    r.kv as kv: kv.keys, kv.values`) to close when done; `label_logprobs` float32[len(
+    label_token_ids)], the log-softmax over the whole vocabulary at the last position read at
+    those ids, in their order (the greedy token's equals `logprob`, as float32). The arrays are
+    read-only.
+
+    An encoder model (BERT, XLM-RoBERTa) has no next token: `token` is -1 and `logprob` 0.0;
+    every result carries `embedding` (the model's own pooling and Normalize unless `embed=` /
+    `normalize=` ask otherwise) and, for a *ForSequenceClassification model, `scores`
+    float32[num_labels], its classifier's raw logits (docs/embedding.md).
 
     `cached_tokens`: prompt tokens read from the worker's prefix cache instead of computed
     (whole blocks, never the last token; blocks another request of the same batch computed
@@ -52,7 +60,9 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     embedding: np.ndarray | None = None
     prompt_top_k_ids: np.ndarray | None = None
     prompt_top_k_logprobs: np.ndarray | None = None
+    label_logprobs: np.ndarray | None = None
     kv: KVExport | None = None
+    scores: np.ndarray | None = None
 
     @property
     def ttft_ns(self) -> int:

@@ -20,6 +20,7 @@ from aioprefill.workers.sim import (
     sim_prompt_top_k,
     sim_top_k,
 )
+from aioprefill.workers.sim_labels import sim_label_logprobs
 
 pytestmark = pytest.mark.asyncio
 
@@ -37,6 +38,8 @@ OPTION_SETS = [
     {"return_kv": True},
     {"prompt_logprobs": True, "top_k": 3, "embed": "mean", "return_kv": True},
     {"prompt_logprobs": True, "top_k": 4, "prompt_top_k": True},
+    {"label_token_ids": [5, 31999, 5]},
+    {"label_token_ids": [0], "top_k": 2, "embed": "last"},
 ]
 
 
@@ -73,6 +76,14 @@ def check(result, tokens: list[int], opts: dict) -> None:
             assert abs(float(np.linalg.norm(result.embedding)) - 1.0) < 1e-6
     else:
         assert result.embedding is None
+    if "label_token_ids" in opts:
+        ids = opts["label_token_ids"]
+        want = sim_label_logprobs(result.token, result.logprob, ids, 32000)
+        assert result.label_logprobs.dtype == np.float32
+        assert result.label_logprobs.shape == (len(ids),)
+        assert np.array_equal(result.label_logprobs, want)
+    else:
+        assert result.label_logprobs is None
     if opts.get("return_kv"):
         keys, values = sim_kv(tokens)
         with result.kv as kv:
@@ -143,6 +154,26 @@ async def test_bad_options_are_refused_before_anything_is_queued(opts, error):
         assert engine._kv.used_bytes == engine._kv.pooled_bytes  # closed, kept for reuse
         r = await engine.prefill([1, 2, 3], top_k=32000)  # the whole vocabulary is allowed
     assert len(r.top_k_ids) == 32000 and len(set(r.top_k_ids.tolist())) == 32000
+
+
+async def test_bad_label_token_ids_are_refused_naming_the_field():
+    bad = [
+        ([], InvalidRequest),
+        (list(range(33)), InvalidRequest),
+        ([32000], InvalidRequest),
+        ([-1], InvalidRequest),
+        ([1.0], InvalidRequestType),
+        ([True], InvalidRequestType),
+        (5, InvalidRequestType),
+        (np.zeros((1, 2), np.int32), InvalidRequestType),
+    ]
+    async with Engine(EngineConfig(model=sim())) as engine:
+        for labels, error in bad:
+            with pytest.raises(error, match="label_token_ids"):
+                await engine.prefill([1, 2, 3], label_token_ids=labels)
+        assert engine.stats().submitted == 0
+        r = await engine.prefill([1, 2, 3], label_token_ids=np.arange(32, dtype=np.int64))
+    assert r.label_logprobs.shape == (32,)
 
 
 async def test_results_too_big_for_the_ring_arrive_through_a_segment():

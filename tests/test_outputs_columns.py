@@ -38,7 +38,7 @@ def test_no_options_cost_nothing_on_the_wire():
 def test_option_columns_round_trip():
     ledger = KVExports(SimModel(), 1 << 20)
     a = parse(prompt_logprobs=True, top_k=3)
-    b = parse(embed="mean", normalize=True, return_kv=True)
+    b = parse(embed="mean", normalize=True, return_kv=True, label_token_ids=[9, 4, 9])
     b.kv = ledger.reserve(2)
     cols = option_columns(3, [(0, a), (2, b)])
     batch = make_prefill_batch(7, [1, 2, 3], [b"\0" * 4] * 3, None, None, [], 0, cols)
@@ -50,6 +50,8 @@ def test_option_columns_round_trip():
         protocol.OPT_EMBED_MEAN | protocol.OPT_NORMALIZE | protocol.OPT_RETURN_KV,
     ]
     assert top_k.tolist() == [3, 0, 0] and names == (b.kv.name,)
+    assert np.frombuffer(decoded.labels, "<i4").tolist() == [0, 0, 0, 3, 9, 4, 9]
+    assert option_columns(1, [(0, a)])[3] == b""  # no labels: an empty column
     ledger.release(b.kv)
 
 
@@ -129,3 +131,38 @@ def test_contract_names_of_the_second_round():
     for name in ("prompt_logprobs", "top_k", "embed", "normalize", "return_kv"):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
     assert issubclass(aioprefill.errors.KVBudgetExceeded, aioprefill.EngineOverloaded)
+
+
+def test_label_logprobs_come_with_the_last_chunk_and_lying_label_columns_are_caught():
+    from aioprefill.workers.main import _labels
+
+    a = parse(label_token_ids=[3, 1])
+    b = parse(top_k=1)
+    cols = ResultColumns(
+        result(
+            label_logprobs=f32(-0.5, -2.0),
+            top_k_ids=np.asarray([7], "<i4").tobytes(),
+            top_k_logprobs=f32(-0.1),
+        ),
+        None,
+    )
+    assert cols.chunk(a, 0, 2, last=False, alive=True) == {}  # not the last chunk: nothing
+    assert cols.chunk(a, 2, 4, last=True, alive=True)["label_logprobs"].tolist() == [-0.5, -2.0]
+    assert "label_logprobs" not in cols.chunk(b, 0, 4, last=True, alive=True)
+    assert cols.check_consumed()
+    extra = ResultColumns(result(label_logprobs=f32(-1, -2, -3)), None)
+    extra.chunk(a, 0, 3, last=True, alive=True)
+    assert not extra.check_consumed()
+    batch = make_prefill_batch(1, [1, 2], [b"\0" * 4] * 2, None, None, [], 0, None)
+    fields = {f: getattr(batch, f) for f in batch.__struct_fields__}
+    good = protocol.PrefillBatch(**{**fields, "labels": np.asarray([0, 0, 1, 5], "<i4").tobytes()})
+    assert {k: v.tolist() for k, v in _labels(good).items()} == {
+        "label_offsets": [0, 0, 1],
+        "label_ids": [5],
+    }
+    for lie in ([0, 0], [0, 2, 1, 5], [1, 1, 1, 5], [0, 0, 1, -5]):
+        forged = protocol.PrefillBatch(**{**fields, "labels": np.asarray(lie, "<i4").tobytes()})
+        with pytest.raises(ProtocolError):
+            _labels(forged)
+    with pytest.raises(ProtocolError):
+        _labels(protocol.PrefillBatch(**{**fields, "labels": b"\0" * 13}))

@@ -127,28 +127,28 @@ class Engine(EngineControls):
         top_k: int = 0,
         prompt_top_k: bool = False,
         embed: str | None = None,
-        normalize: bool = False,
+        normalize: bool | None = None,
         return_kv: bool = False,
+        label_token_ids: Any = None,
         deadline_s: float | None = None,
         request_id: str | int | None = None,
         cache_salt: str | None = None,
+        token_type_ids: Any = None,
     ) -> PrefillResult:
         """Run the prefill of one prompt; return its greedy next token and timings.
 
         `tokens`: a list of ids, a 1-D integer array, or a `str` (`engine.tokenizer`'s ids).
 
-        Output options (each computed only for the requests that ask): `prompt_logprobs`
-        (float32[n-1]), `top_k` alternatives at the last position (`prompt_top_k=True`, with
-        both: at every prompt position too, int32/float32[n-1, top_k]), `embed="last"|"mean"`
-        (final-norm hidden state; `normalize=True` for unit L2 norm), `return_kv` (a
-        `KVExport` handle on `result.kv`: close it when done; see docs/kv-export.md).
+        Output options (each computed only for the requests that ask; their shapes: see
+        `PrefillResult`): `prompt_logprobs`, `top_k` (`prompt_top_k=True`: at every position),
+        `embed="last"|"mean"` (`normalize=True`: unit L2 norm), `return_kv` (a `KVExport` on
+        `result.kv`: close it; docs/kv-export.md), `label_token_ids`; encoders: docs/embedding.md.
 
-        Raises `InvalidRequest` for a bad prompt or option and, past `max_pending` waiting
-        requests, `EngineOverloaded` — or, with `wait=True`, waits for room instead;
-        `KVBudgetExceeded` when KV exports fill `max_kv_export_bytes`. A request not handed
-        to a worker within `deadline_s` fails with `DeadlineExceeded` and never runs;
-        `request_id` (the caller's) names the request in its errors and in log lines;
-        different `cache_salt`s never share a cached block (docs/prefix-cache.md).
+        Raises `InvalidRequest` for a bad prompt or option and, past `max_pending` waiting requests,
+        `EngineOverloaded` — or, with `wait=True`, waits for room instead; `KVBudgetExceeded` when
+        KV exports fill `max_kv_export_bytes`. A request not handed to a worker within `deadline_s`
+        fails with `DeadlineExceeded` and never runs; `request_id` (the caller's) names the request
+        in errors and logs; different `cache_salt`s share no cached block (docs/prefix-cache.md).
         """
         submitted_ns = time.monotonic_ns()  # TTFT counts any wait for room below
         self._affinity.check("prefill()")
@@ -167,6 +167,8 @@ class Engine(EngineControls):
                 normalize=normalize,
                 return_kv=return_kv,
                 vocab_size=vocab_size,
+                label_token_ids=label_token_ids,
+                encoder=(self.config.model, token_type_ids, len(prompt) >> 2),
             )
             sched = self._sched
             if sched.num_pending >= self.config.max_pending:

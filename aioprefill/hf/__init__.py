@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config import spec_fields
+from aioprefill.hf.encoder import ENCODERS, sentence_transformers_fields
 from aioprefill.hf.spec import ModelShape
 from aioprefill.hf.tensors import WeightsError
 
@@ -45,6 +46,10 @@ _FUNCTION_FIELDS = frozenset(
         "tie_word_embeddings",
         "num_experts",
         "num_experts_per_tok",
+        "layer_norm_eps",
+        "type_vocab_size",
+        "position_offset",
+        "num_labels",
         "weights",
         "seed",
     }
@@ -67,6 +72,8 @@ def spec_from_pretrained(
     if not (directory / CONFIG_FILE).is_file():
         raise InvalidConfig(f"{directory}: no {CONFIG_FILE}")
     fields = {**spec_fields(_read_config(directory)), "weights": str(directory)}
+    if fields["architecture"] in ENCODERS:  # its pooling, Normalize, max_seq_length
+        fields.update(sentence_transformers_fields(directory))
     _check_overrides(cls, overrides)
     spec = cls(**{**fields, **overrides})
     check_checkpoint(str(directory), spec)

@@ -20,6 +20,7 @@ from typing import Any
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config_keys import COMMON, UNREAD
+from aioprefill.hf.encoder import ENCODERS, encoder_fields
 
 __all__ = ["spec_fields"]
 
@@ -93,10 +94,12 @@ def spec_fields(config: dict[str, Any]) -> dict[str, Any]:
         # A config saved on its own (AutoConfig; transformers' GGUF reader) names no class:
         # transformers' AutoModelForCausalLM picks it from model_type, and so does this.
         archs = [_BY_MODEL_TYPE[config["model_type"]]]
+    if isinstance(archs, list) and len(archs) == 1 and archs[0] in ENCODERS:
+        return encoder_fields(config, archs[0])  # BERT, XLM-RoBERTa (hf.encoder)
     if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in _ARCHITECTURES):
         raise _refuse(
             "architectures",
-            f"{archs!r} is not supported; supported: {', '.join(_ARCHITECTURES)}",
+            f"{archs!r} is not supported; supported: {', '.join([*_ARCHITECTURES, *ENCODERS])}",
         )
     arch = archs[0]
     model_type, defaults = _ARCHITECTURES[arch]

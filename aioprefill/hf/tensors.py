@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from aioprefill.errors import InvalidConfig
+from aioprefill.hf.encoder import ENCODERS, encoder_ignored, encoder_shapes
 from aioprefill.hf.spec import ModelShape
 
 __all__ = [
@@ -88,7 +89,10 @@ def _suffix(part: str) -> str:
 
 def expected_shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor the spec needs, by Hugging Face name, in a fixed order. A tied spec needs no
-    `lm_head.weight` (one stored anyway is ignored, as `transformers` ties it to the embedding)."""
+    `lm_head.weight` (one stored anyway is ignored, as `transformers` ties it to the embedding).
+    An encoder's are `hf.encoder`'s."""
+    if spec.architecture in ENCODERS:
+        return encoder_shapes(spec)
     hidden, ffn, vocab, dim = (
         spec.hidden_size,
         spec.intermediate_size,
@@ -128,6 +132,8 @@ def expected_shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
 
 def is_ignored(name: str, spec: ModelShape) -> bool:
     """A stored tensor the spec does not read: RoPE buffers, and `lm_head.weight` when tied."""
+    if spec.architecture in ENCODERS:
+        return encoder_ignored(name, spec)
     return name.endswith(_IGNORED_SUFFIX) or (spec.tie_word_embeddings and name == _LM_HEAD)
 
 

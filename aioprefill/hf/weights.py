@@ -71,7 +71,7 @@ def random_weights(spec: ModelShape, seed: int) -> dict[str, np.ndarray]:
         w -= 0.5
         if len(shape) == 1:
             w *= 0.1 * np.sqrt(12.0, dtype=np.float32)
-            if not part_of(name)[1].endswith("_bias"):
+            if not name.endswith("bias"):  # a norm's scale (decoders: q/k/v_bias are biases)
                 w += 1.0
         else:
             w *= 0.02 * np.sqrt(12.0, dtype=np.float32)

@@ -98,7 +98,7 @@ def make_prefill_batch(
     flags: list[int] | None,
     free_ids: list[int],
     sent_ns: int,
-    options: tuple[bytes, bytes, list[str]] | None = None,
+    options: tuple[bytes, bytes, list[str], bytes, bytes] | None = None,
     cache: tuple[bytes, ...] | None = None,
 ) -> PrefillBatch:
     """Pack per-request columns into a PrefillBatch (`token_parts`: int32 bytes per request).
@@ -136,7 +136,7 @@ def make_prefill_batch(
         tail_hashes=tail_hashes,
     )
     if options is not None:
-        msg.options, msg.top_k, msg.kv_names = options
+        msg.options, msg.top_k, msg.kv_names, msg.labels, msg.token_types = options
     return msg
 
 

@@ -11,6 +11,11 @@
 | `chat.py` | /v1/chat/completions: the checks, the chat template, the OpenAI answer |
 | `render.py` | /v1/completions/render and /v1/chat/completions/render (vLLM's shapes) |
 | `prompts.py` | a request's prompt(s) as checked token-id prompts |
+| `scoring.py` | how a model scores a query-document pair: template + labels, classifier, cosine |
+| `rerank.py` | /v1/rerank and /rerank (Jina/Cohere's and TEI's bodies) |
+| `score.py` | /v1/score and /score (vLLM's pairs, SGLang's label_token_ids) |
+| `embed.py` | /v1/embeddings and TEI's /embed: pooling, dimensions, truncation, base64 |
+| `rank_schemas.py` | the scoring endpoints' bodies as msgspec Structs |
 | `schemas.py` | request and response bodies as msgspec Structs |
 | `errors.py` | aioprefill's errors as HTTP statuses and OpenAI error objects |
 | `fronts.py` | running the app under uvicorn or granian (ASGI or RSGI) |

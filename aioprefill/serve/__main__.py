@@ -125,8 +125,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="per-key: each API key its own prefix-cache namespace",
     )
     g = p.add_argument_group("embeddings")
-    g.add_argument("--pooling", choices=["mean", "last"], default="mean")
-    g.add_argument("--normalize", action="store_true", help="L2-normalise embeddings")
+    g.add_argument(
+        "--pooling",
+        choices=["mean", "last", "cls"],
+        default=None,
+        help="default: the model directory's (sentence-transformers modules), else mean",
+    )
+    g.add_argument(
+        "--normalize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="L2-normalise embeddings (default: as the model directory says, else not)",
+    )
+    g = p.add_argument_group("rerank and score (docs/embedding.md)")
+    g.add_argument(
+        "--rerank-template",
+        default=None,
+        help="a decoder LM's prompt: a format string with {query} and {document}, or a file "
+        "(default: Qwen3-Reranker's for Qwen3 checkpoints, else none)",
+    )
+    g.add_argument(
+        "--label-tokens",
+        default="yes,no",
+        help="the template's label tokens, the relevant one first (default: yes,no)",
+    )
+    g.add_argument("--max-documents", type=int, default=1000, help="documents per request")
     g = p.add_argument_group("limits")
     g.add_argument("--max-prompts-per-request", type=int, default=1024)
     g.add_argument("--max-body-bytes", type=int, default=16 << 20)
@@ -254,6 +277,20 @@ def kv_store(args: argparse.Namespace) -> dict[str, Any]:
     return {"kv_store": "mooncake", "kv_store_options": options}
 
 
+def embedding_flags(args: argparse.Namespace, config: EngineConfig) -> tuple[Any, Any]:
+    """(pooling, normalize) for ServeSettings: the flags, else a decoder directory's
+    sentence-transformers modules (an encoder's are in its spec); the rerank template checked."""
+    from aioprefill.serve.embed import model_pooling
+    from aioprefill.serve.scoring import load_template
+
+    load_template(args.rerank_template)
+    pooling, normalize = args.pooling, args.normalize
+    if not getattr(config.model, "is_encoder", False) and args.model != "sim":
+        own = model_pooling(args.model)
+        pooling, normalize = pooling or own[0], own[1] if normalize is None else normalize
+    return pooling, normalize
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from aioprefill.serve.app import App
@@ -269,12 +306,16 @@ def main(argv: list[str] | None = None) -> None:
             keys = APIKeys(args.api_key, args.api_key_file, per_key=per_key)
         elif args.cache_isolation == "per-key":
             raise ValueError("--cache-isolation per-key needs --api-key or --api-key-file")
+        pooling, normalize = embedding_flags(args, config)
     except (ValueError, OSError) as exc:  # InvalidConfig, a missing file: say it plainly
         raise SystemExit(f"aioprefill-serve: {exc}") from None
     settings = ServeSettings(
         served_model_name=name,
-        pooling=args.pooling,
-        normalize=args.normalize,
+        pooling=pooling,
+        normalize=normalize,
+        rerank_template=args.rerank_template,
+        label_tokens=tuple(t for t in args.label_tokens.split(",") if t),
+        max_documents=args.max_documents,
         max_prompts=args.max_prompts_per_request,
         max_body_bytes=args.max_body_bytes,
     )

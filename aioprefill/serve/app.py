@@ -29,7 +29,7 @@ from typing import Any
 
 from aioprefill.config import EngineConfig
 from aioprefill.engine.loop import Engine
-from aioprefill.serve import render
+from aioprefill.serve import embed, render, rerank, score
 from aioprefill.serve.auth import APIKeys, is_protected
 from aioprefill.serve.errors import HTTPError, error_body, error_status
 from aioprefill.serve.routes import ServeSettings, Service
@@ -65,6 +65,11 @@ class App:
             "/v1/completions/render": ("POST", self._render_completions, False),
             "/v1/chat/completions/render": ("POST", self._render_chat, False),
             "/v1/embeddings": ("POST", self._embeddings, True),
+            "/v1/rerank": ("POST", self._rerank, True),
+            "/rerank": ("POST", self._rerank, True),
+            "/v1/score": ("POST", self._score, True),
+            "/score": ("POST", self._score, True),
+            "/embed": ("POST", self._embed, True),
             "/tokenize": ("POST", self._tokenize, False),
             "/detokenize": ("POST", self._detokenize, False),
             "/v1/models": ("GET", self._models, False),
@@ -223,6 +228,15 @@ class App:
 
     async def _embeddings(self, body: bytes, request_id: str, tenant: Any) -> tuple[int, bytes]:
         return 200, await self._svc().embeddings(body, request_id, tenant)
+
+    async def _rerank(self, body: bytes, request_id: str, tenant: Any) -> tuple[int, bytes]:
+        return 200, await rerank.rerank(self._svc(), body, request_id, tenant)
+
+    async def _score(self, body: bytes, request_id: str, tenant: Any) -> tuple[int, bytes]:
+        return 200, await score.score(self._svc(), body, request_id, tenant)
+
+    async def _embed(self, body: bytes, request_id: str, tenant: Any) -> tuple[int, bytes]:
+        return 200, await embed.embed(self._svc(), body, request_id, tenant)
 
     async def _tokenize(self, body: bytes, request_id: str, _: Any) -> tuple[int, bytes]:
         return 200, await self._svc().tokenize(body)

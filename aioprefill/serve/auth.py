@@ -29,7 +29,7 @@ __all__ = ["PROTECTED_PREFIXES", "APIKeys", "cache_salt", "is_protected"]
 
 log = logging.getLogger("aioprefill.serve")
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/rerank", "/score", "/embed")
 _TENANT = b"aioprefill-tenant\x00"  # the salt is a digest of this and the key, never the key
 
 

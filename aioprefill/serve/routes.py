@@ -6,7 +6,6 @@ limits, disconnects, request ids, statuses).
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ import aioprefill
 from aioprefill.engine.loop import Engine
 from aioprefill.errors import InvalidRequest
 from aioprefill.result import PrefillResult
-from aioprefill.serve import chat, completions
+from aioprefill.serve import chat, completions, embed
 from aioprefill.serve.auth import cache_salt
 from aioprefill.serve.prompts import Prompt, TokenizerLike, parse_prompts
 from aioprefill.serve.schemas import (
@@ -25,15 +24,13 @@ from aioprefill.serve.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    Embedding,
     EmbeddingRequest,
-    EmbeddingResponse,
-    EmbeddingUsage,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
+from aioprefill.serve.scoring import Scorer
 
 __all__ = ["ServeSettings", "Service"]
 
@@ -43,8 +40,11 @@ class ServeSettings:
     """The server's own settings (the engine's are its EngineConfig)."""
 
     served_model_name: str
-    pooling: str = "mean"  # "mean" | "last": how /v1/embeddings pools the hidden states
-    normalize: bool = False  # L2-normalise embeddings
+    pooling: str | None = None  # how /v1/embeddings pools: None: the model's own, else mean
+    normalize: bool | None = None  # L2-normalise embeddings (None: the model's own, else no)
+    rerank_template: str | None = None  # a decoder's rerank template (or file); scoring.py
+    label_tokens: tuple[str, ...] = ("yes", "no")  # its label tokens, the relevant one first
+    max_documents: int = 1000  # documents in one rerank / score request; more is a 400
     max_prompts: int = 1024  # prompts in one request; more is a 413 (TEI's batch limit)
     max_body_bytes: int = 16 << 20  # request bodies; larger is a 413
 
@@ -74,6 +74,22 @@ class Service:
         self._detokenize = _decoder(DetokenizeRequest)
         # KV transfer (vllm-router's PD mode) only where a transfer engine is configured.
         self.kv_transfer = config.kv_transfer is not None
+        self.scorer = Scorer(
+            engine,
+            tokenizer,
+            template=settings.rerank_template,
+            label_tokens=settings.label_tokens,
+            max_documents=settings.max_documents,
+        )
+        self.embed_size = int(getattr(config.model, "hidden_size", 0) or 16)  # SimModel: 16
+
+    def pooling(self) -> tuple[str, bool]:
+        """(embed, normalize) for embeddings: the server's flags, else the model's own (an
+        encoder's directory), else mean pooling, not normalised."""
+        spec = self.engine.config.model
+        pooling = self.settings.pooling or getattr(spec, "pooling", None) or "mean"
+        own = bool(getattr(spec, "normalize", False))
+        return pooling, own if self.settings.normalize is None else self.settings.normalize
 
     def salt_option(self, tenant: str | None, body_salt: str | None) -> dict[str, Any]:
         """engine.prefill()'s `cache_salt` for a request: the tenant's and the body's."""
@@ -152,36 +168,7 @@ class Service:
         )
 
     async def embeddings(self, body: bytes, request_id: str, tenant: str | None = None) -> bytes:
-        req = decode_body(self._embedding, body)
-        hidden = getattr(self.engine.config.model, "hidden_size", None)
-        if req.dimensions is not None and req.dimensions != hidden:
-            raise InvalidRequest(
-                f"dimensions must be the model's hidden size ({hidden}) or absent, "
-                f"got {req.dimensions}"
-            )
-        prompts = await self.prompts(req.input, "input")
-        options = {"embed": self.settings.pooling, "normalize": self.settings.normalize}
-        options |= self.salt_option(tenant, None)
-        results = await self._run(prompts, options, request_id)
-        data = []
-        for i, r in enumerate(results):
-            assert r.embedding is not None
-            vector: list[float] | str
-            if req.encoding_format == "base64":
-                vector = base64.b64encode(r.embedding.astype("<f4").tobytes()).decode()
-            else:
-                vector = r.embedding.tolist()
-            data.append(Embedding(index=i, embedding=vector))
-        n = sum(len(p.ids) for p in prompts)
-        return self._encode(
-            EmbeddingResponse(
-                id=f"embd-{request_id}",
-                created=int(time.time()),
-                model=self.settings.served_model_name,
-                data=data,
-                usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n),
-            )
-        )
+        return await embed.embeddings(self, body, request_id, tenant)
 
     async def prompts(self, value: Any, field: str, *, offsets: bool = False) -> list[Prompt]:
         return await parse_prompts(
@@ -269,8 +256,8 @@ class Service:
                 "max_model_len": self.max_model_len,
                 "vocab_size": self.vocab_size,
                 "has_tokenizer": self.tokenizer is not None,
-                "pooling": self.settings.pooling,
-                "normalize": self.settings.normalize,
+                "pooling": self.pooling()[0],
+                "normalize": self.pooling()[1],
                 "version": aioprefill.__version__,
                 "engine": {
                     "num_workers": c.num_workers,

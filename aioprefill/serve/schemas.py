@@ -102,6 +102,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the last N ids (-1: the limit)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -92,6 +92,7 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
     options: bytes = b""
     top_k: bytes = b""
     kv_names: list[str] = msgspec.field(default_factory=list)
+    labels: bytes = b""  # int32: n+1 offsets, then each request's label token ids (b"": none)
     # Prefix cache (all empty when no request of the batch reads or writes a cached block).
     # The engine owns the worker's block slots (`Ready.cache_blocks` of them): it decides which
     # slot holds which block, so the worker never evicts on its own.
@@ -117,6 +118,7 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
     write_hashes: bytes = b""
     tail_offsets: bytes = b""
     tail_hashes: bytes = b""
+    token_types: bytes = b""  # encoders: uint8 per token (BERT's segment ids); b"": all zero
 
     @property
     def size(self) -> int:
@@ -189,9 +191,7 @@ class PrefillBatch(msgspec.Struct, tag=True, array_like=True):
         options = top_k = None
         if self.options:
             if len(self.options) != n:
-                raise ProtocolError(
-                    f"PrefillBatch.options has {len(self.options)} entries, not {n}"
-                )
+                raise ProtocolError(f"PrefillBatch.options has {len(self.options)}, not {n}")
             options = np.frombuffer(self.options, dtype=np.uint8)
         if self.top_k:
             if len(self.top_k) != 4 * n:
@@ -243,12 +243,12 @@ class StartFailed(msgspec.Struct, tag=True, array_like=True):
 class BatchResult(msgspec.Struct, tag=True, array_like=True):
     """A forward finished. Results only for requests whose last chunk was in the batch.
 
-    request_ids: int64[k]; tokens: int32[k]; logprobs: float64[k]. The output options' columns
-    hold entries only for the requests that asked, back to back in batch order (the engine
-    knows who asked and how many values each gets): top_k_ids int32 / top_k_logprobs float32
-    (top_k per finished request); prompt_logprobs float32 (end - max(start, 1) per chunk, last
-    or not); prompt_top_k_ids int32 / prompt_top_k_logprobs float32 (top_k per prompt logprob
-    of the chunks with OPT_PROMPT_TOP_K); embeddings float32 (embed_dim per finished request).
+    request_ids: int64[k]; tokens: int32[k]; logprobs: float64[k]; scores: float32[k, labels]
+    (encoder classifiers; else empty). Output options' columns hold entries only for requests
+    that asked, back to back in batch order: top_k_ids int32 / top_k_logprobs float32 (top_k per
+    finished request); prompt_logprobs float32 (end - max(start, 1) per chunk, last or not);
+    prompt_top_k_ids int32 / prompt_top_k_logprobs float32 (top_k per prompt logprob of the
+    chunks with OPT_PROMPT_TOP_K); embeddings float32 (embed_dim per finished request).
     """
 
     batch_id: int
@@ -264,7 +264,9 @@ class BatchResult(msgspec.Struct, tag=True, array_like=True):
     embed_dim: int = 0
     prompt_top_k_ids: bytes = b""
     prompt_top_k_logprobs: bytes = b""
+    label_logprobs: bytes = b""  # float32: finished requests' label token logprobs, batch order
     loaded_tokens: bytes = b""  # int32[n], per chunk: tokens loaded from the store (b"": none)
+    scores: bytes = b""
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = len(self.request_ids) // 8

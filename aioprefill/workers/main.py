@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from aioprefill.errors import ProtocolError
 from aioprefill.shm import spill
 from aioprefill.shm.channel import Channel
 from aioprefill.wire import protocol
@@ -52,6 +53,10 @@ def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
 
     place = spec.parallel
     grouped = place.size > 1
+    if isinstance(spec.model, PaddleModel) and spec.model.is_encoder:
+        from aioprefill.workers.paddle.encoder import EncoderRunner
+
+        return EncoderRunner(spec.model, spec.worker)
     if isinstance(spec.model, PaddleModel):
         try:
             from aioprefill.workers.paddle.runner import PaddleRunner
@@ -248,6 +253,8 @@ def _run_batch(
             options=options,
             top_k=top_k,
             kv_names=kv_names,
+            **_labels(msg),
+            token_types=np.frombuffer(msg.token_types, np.uint8) if msg.token_types else None,
             **({} if cache is None else dict(zip(_CACHE_FIELDS, cache, strict=True))),
         )
         loaded = None
@@ -286,7 +293,9 @@ def _run_batch(
         embed_dim=int(out.embeddings.shape[1]) if out.embeddings.size else 0,
         prompt_top_k_ids=_column(out.prompt_top_k_ids, "<i4"),
         prompt_top_k_logprobs=_column(out.prompt_top_k_logprobs, "<f4"),
+        label_logprobs=_column(out.label_logprobs, "<f4"),
         loaded_tokens=b"" if loaded is None else loaded.astype("<i4").tobytes(),
+        scores=_column(out.scores, "<f4"),
     )
 
 
@@ -303,6 +312,22 @@ _CACHE_FIELDS = (
     *("read_offsets", "read_slots", "write_offsets", "write_slots", "write_first"),
     *("write_hashes", "tail_offsets", "tail_hashes"),
 )
+
+
+def _labels(msg: PrefillBatch) -> dict[str, np.ndarray]:
+    """ForwardBatch's label_offsets / label_ids from PrefillBatch.labels, checked."""
+    if not msg.labels:
+        return {}
+    n = msg.size
+    column = np.frombuffer(msg.labels, dtype="<i4") if len(msg.labels) % 4 == 0 else None
+    if column is None or len(column) < n + 1:
+        raise ProtocolError(f"PrefillBatch.labels is not {n + 1} int32 offsets and ids")
+    offsets, ids = column[: n + 1], column[n + 1 :]
+    if offsets[0] != 0 or offsets[n] != len(ids) or np.diff(offsets).min() < 0:
+        raise ProtocolError("PrefillBatch.labels offsets do not cover its ids")
+    if len(ids) and ids.min() < 0:
+        raise ProtocolError("PrefillBatch.labels has a negative token id")
+    return {"label_offsets": offsets, "label_ids": ids}
 
 
 def _column(array: np.ndarray, dtype: str) -> bytes:

@@ -12,7 +12,9 @@ Output options ride along per request (`options`: `OPT_*` bits from `aioprefill.
   (`end - max(start, 1)` values), for every chunk, so the engine assembles a chunked prompt's;
 - with `OPT_PROMPT_TOP_K` besides, the request's `top_k` best tokens at each of those positions
   (ids and log-probabilities, `top_k` values per prompt logprob, best first);
-- top-k, embeddings and the KV export: once, with the chunk that ends the prompt.
+- top-k, label token logprobs (`label_offsets`/`label_ids`: the log-softmax over the whole
+  vocabulary at the last position, read at each id), embeddings and the KV export: once, with
+  the chunk that ends the prompt.
 
 A chunk that reads prefix cache slots (`read_*`, starting at `len(reads) * block_tokens`) is
 its prompt's first chunk computed and answers as one: its prompt log-probabilities (and prompt
@@ -49,6 +51,9 @@ class ForwardBatch:
     top_k: np.ndarray | None = None  # int32[n]; None: 0 for every request
     # One shared-memory segment name per request with OPT_RETURN_KV, in batch order.
     kv_names: tuple[str, ...] = _NO_NAMES
+    # Label token ids: request i's are label_ids[label_offsets[i]:label_offsets[i+1]]; None: none.
+    label_offsets: np.ndarray | None = None  # int32[n+1]
+    label_ids: np.ndarray | None = None  # int32
     # Prefix cache instructions (`protocol.PrefillBatch` says what they mean); None: the batch
     # neither reads nor writes cached blocks. A chunk with reads starts its prompt afresh at
     # start_pos = len(reads) * block_tokens.
@@ -60,6 +65,7 @@ class ForwardBatch:
     write_hashes: np.ndarray | None = None  # uint64, the written blocks' hashes (store keys)
     tail_offsets: np.ndarray | None = None  # int32[n+1] into tail_hashes (store only)
     tail_hashes: np.ndarray | None = None  # uint64: blocks computed past each chunk's writes
+    token_types: np.ndarray | None = None  # uint8[offsets[-1]] (encoders); None: all zero
 
     @property
     def size(self) -> int:
@@ -78,6 +84,13 @@ class ForwardBatch:
         """Batch index -> KV export segment name, for the requests with OPT_RETURN_KV."""
         wants = np.flatnonzero(self.has(OPT_RETURN_KV)).tolist()
         return dict(zip(wants, self.kv_names, strict=True))
+
+    def labels_of(self, i: int) -> np.ndarray | None:
+        """Request i's label token ids (int32), or None when it asked for none."""
+        if self.label_offsets is None or self.label_ids is None:
+            return None
+        a, b = int(self.label_offsets[i]), int(self.label_offsets[i + 1])
+        return self.label_ids[a:b] if b > a else None
 
     def top_k_of(self) -> np.ndarray:
         return np.zeros(self.size, dtype=np.int32) if self.top_k is None else self.top_k
@@ -100,6 +113,10 @@ class ForwardOutput:
     prompt_top_k_logprobs: np.ndarray = field(default_factory=lambda: _empty("float32"))
     # float32[m, dim]: finished requests with an OPT_EMBED_* bit, in batch order.
     embeddings: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.float32))
+    # Finished requests with label ids, back to back in batch order: one logprob per id.
+    label_logprobs: np.ndarray = field(default_factory=lambda: _empty("float32"))
+    # float32[k, num_labels]: an encoder classifier's logits for every finished request.
+    scores: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.float32))
 
 
 class ModelRunner(Protocol):

@@ -42,6 +42,7 @@ from aioprefill.workers.barrier import SocketBarrier
 from aioprefill.workers.kv_writer import KVWriters, open_writers
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 from aioprefill.workers.sim_cache import SimBlocks, only_whole_writes, slots_of
+from aioprefill.workers.sim_labels import sim_label_logprobs
 
 __all__ = [
     "SIM_EMBED_DIM",
@@ -240,7 +241,7 @@ class SimRunner:
 
     def _with_options(self, batch: ForwardBatch) -> ForwardOutput:
         ids, toks, lps = [], [], []
-        top_ids, top_lps, plps, embeds, p_ids, p_lps = [], [], [], [], [], []
+        top_ids, top_lps, plps, embeds, p_ids, p_lps, labs = [], [], [], [], [], [], []
         options = batch.options
         top_k = batch.top_k_of()
         writers = open_writers(batch, SIM_KV_LAYOUT) if self.writes_kv else KVWriters()
@@ -292,6 +293,8 @@ class SimRunner:
                     k_ids, k_lps = _top_k(state.crc, int(top_k[i]), self.spec.vocab_size)
                     top_ids.append(k_ids)
                     top_lps.append(k_lps)
+                if (labels := batch.labels_of(i)) is not None:
+                    labs.append(sim_label_logprobs(toks[-1], lps[-1], labels, self.spec.vocab_size))
                 if vectors is not None and state.embed_sum is not None:
                     n = start + len(chunk)
                     embeds.append(_pool(state.embed_sum, vectors[-1], n, opts))
@@ -312,6 +315,7 @@ class SimRunner:
             embeddings=np.stack(embeds) if embeds else np.empty((0, 0), np.float32),
             prompt_top_k_ids=np.concatenate(p_ids) if p_ids else np.empty(0, np.int32),
             prompt_top_k_logprobs=np.concatenate(p_lps) if p_lps else np.empty(0, np.float32),
+            label_logprobs=np.concatenate(labs) if labs else np.empty(0, np.float32),
         )
 
     def _write(self, slots: np.ndarray, first: int, parts: list[np.ndarray]) -> None:

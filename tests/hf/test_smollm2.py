@@ -45,6 +45,13 @@ def _check_outputs(r, s, c: dict, mean: np.ndarray, last: np.ndarray) -> None:
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def _check_labels(r, c: dict) -> None:
+    """label_token_ids = transformers' top-5: their logprobs are its, the first is `logprob`."""
+    np.testing.assert_allclose(r.label_logprobs, c["top_k_logprobs"], atol=TOLERANCE)
+    if r.top_k_ids is not None:
+        assert r.label_logprobs[0] == r.top_k_logprobs[0] == np.float32(r.logprob)
+
+
 def _check_kv(kv, i: int, a: dict[str, np.ndarray]) -> None:
     for layer in goldens()["kv_layers"]:
         for part, got in (("keys", kv.keys), ("values", kv.values)):
@@ -67,6 +74,7 @@ async def test_smollm2_matches_transformers_batched_chunked_and_solo() -> None:
                     prompt_logprobs=True,
                     embed="mean",
                     return_kv=i < goldens()["kv_prompts"],
+                    label_token_ids=c["top_k_ids"],
                 )
                 for i, c in enumerate(cases)
             )
@@ -78,6 +86,7 @@ async def test_smollm2_matches_transformers_batched_chunked_and_solo() -> None:
             _check_next(r, c)
             _check_next(s, c)
             _check_outputs(r, s, c, a[f"embed_mean_{i}"], a[f"embed_last_{i}"])
+            _check_labels(r, c)
             if r.kv is not None:
                 with r.kv as kv:
                     _check_kv(kv, i, a)
@@ -93,8 +102,11 @@ def test_smollm2_tensor_parallel_matches_transformers() -> None:
 
     async def run() -> list:
         async with Engine(EngineConfig(model=model, tp_size=3, max_batch_tokens=64)) as engine:
-            return await asyncio.gather(*(engine.prefill(c["ids"]) for c in cases))
+            return await asyncio.gather(
+                *(engine.prefill(c["ids"], label_token_ids=c["top_k_ids"]) for c in cases)
+            )
 
     results = uvloop.run(run())
     for r, c in zip(results, cases, strict=True):
         _check_next(r, c)
+        _check_labels(r, c)  # the vocab-parallel head's ranks joined

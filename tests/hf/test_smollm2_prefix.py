@@ -16,8 +16,9 @@ import itertools
 import numpy as np
 import pytest
 
-from aioprefill import PaddleModel, protocol
+from aioprefill import PaddleModel
 from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
+from aioprefill.wire import protocol
 from aioprefill.wire.kv import kv_layout
 from tests.hf.smollm2 import gguf_path, goldens
 from tests.model.batches import make_batch
@@ -39,6 +40,7 @@ def test_smollm2_hit_equals_miss(deterministic: bool) -> None:
     layout = kv_layout(spec)
     rid = itertools.count(1)
     names: list[str] = []
+    labels = [case["token"], *case["top_k_ids"][1:], 0, 49151]  # the greedy token first
 
     def run(chunks, plans=None):
         """One request in chunks ((tokens, start)) with plans (reads, writes, first): the joined
@@ -49,7 +51,7 @@ def test_smollm2_hit_equals_miss(deterministic: bool) -> None:
             last = j == len(chunks) - 1
             opts = ALL | (protocol.OPT_RETURN_KV if last else 0)
             batch = make_batch([tokens], ids=[r], starts=[start], last=[last])
-            batch = with_options(batch, [opts], [5], names[-1:] if last else ())
+            batch = with_options(batch, [opts], [5], names[-1:] if last else (), labels=labels)
             if plans is not None:
                 batch = planned(batch, [plans[j][0]], [plans[j][1]], [plans[j][2]])
             outs.append(runner.forward(batch))
@@ -83,6 +85,11 @@ def test_smollm2_hit_equals_miss(deterministic: bool) -> None:
             assert int(out[0].tokens[0]) == case["token"]
             assert len(out[0].prompt_logprobs) == n - 1
             np.testing.assert_allclose(out[0].prompt_logprobs, case["prompt_logprobs"], atol=1e-4)
+            # label logprobs: the greedy token's is its logprob; the top-k's are transformers'
+            assert out[0].label_logprobs[0] == np.float32(out[0].logprobs[0])
+            k = len(case["top_k_ids"])
+            got = out[0].label_logprobs[:k]
+            np.testing.assert_allclose(got, case["top_k_logprobs"], atol=1e-4)
         # All but the last token: a 113-token prompt reads its 7 blocks and computes one token.
         same(run([(ids[112:113], 112)], [(seven, [], 0)]), run([(ids[:113], 0)]), "all but 1")
     finally:

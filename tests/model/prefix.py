@@ -29,7 +29,9 @@ FIELDS = (
     "prompt_top_k_ids",
     "prompt_top_k_logprobs",
     "embeddings",
+    "label_logprobs",
 )
+LABELS = (0, 7, 300, 7)  # label token ids (a repeat included) the tests ask for
 
 
 def _int32(parts: Sequence[Sequence[int]]) -> np.ndarray:
@@ -62,13 +64,26 @@ def planned(
 
 
 def with_options(
-    batch: ForwardBatch, options: Sequence[int], top_k: Sequence[int], kv_names=()
+    batch: ForwardBatch,
+    options: Sequence[int],
+    top_k: Sequence[int],
+    kv_names=(),
+    labels: Sequence[int] | None = None,
 ) -> ForwardBatch:
+    """`batch` with output options; `labels`: the same label token ids for every request."""
+    n = batch.size
+    label_fields = {}
+    if labels is not None:
+        label_fields = {
+            "label_offsets": (np.arange(n + 1) * len(labels)).astype(np.int32),
+            "label_ids": np.tile(np.asarray(labels, dtype=np.int32), n),
+        }
     return dataclasses.replace(
         batch,
         options=np.asarray(options, dtype=np.uint8),
         top_k=np.asarray(top_k, dtype=np.int32),
         kv_names=tuple(kv_names),
+        **label_fields,
     )
 
 

@@ -1,5 +1,5 @@
 """A request's result must not depend on what it is batched with: the same token and a logprob
-within 1e-5 by default, bitwise the same with deterministic=True."""
+(and label token logprobs) within 1e-5 by default, bitwise the same with deterministic=True."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import pytest
 from aioprefill.config import PaddleModel
 from aioprefill.workers.paddle.runner import PaddleRunner
 from tests.model.batches import SMALL, make_batch, prompts, runner, small
+from tests.model.prefix import with_options
+
+LABELS = [3, 0, 77, 3, 500]
 
 SEED = int(os.environ.get("AIOPREFILL_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
 
@@ -23,7 +26,7 @@ def compare_compositions(
     print(f"batch-composition seed: {SEED} (set AIOPREFILL_TEST_SEED to replay)")
     rng = np.random.default_rng(SEED)
     pool = prompts(rng, rng.integers(1, max_len, 24).tolist(), vocab)
-    solo = [runner.forward(make_batch([p], ids=[1000 + i])) for i, p in enumerate(pool)]
+    solo = [runner.forward(labelled(make_batch([p], ids=[1000 + i]))) for i, p in enumerate(pool)]
     worst = 0.0
     for trial in range(trials):
         pick = rng.choice(len(pool), int(rng.integers(2, 14)), replace=False)
@@ -36,7 +39,7 @@ def compare_compositions(
             chosen.insert(at, rng.integers(0, vocab, 50).astype(np.int32))
             ids.insert(at, 99)
         last = [rid != 99 for rid in ids]
-        out = runner.forward(make_batch(chosen, ids=ids, last=last))
+        out = runner.forward(labelled(make_batch(chosen, ids=ids, last=last)))
         if extra:
             runner.free(np.array([99]))
         assert len(out.request_ids) == len(pick)
@@ -46,11 +49,19 @@ def compare_compositions(
             assert out.tokens[j] == solo[i].tokens[0], context
             delta = abs(float(out.logprobs[j]) - float(solo[i].logprobs[0]))
             worst = max(worst, delta)
+            labels = out.label_logprobs[len(LABELS) * j : len(LABELS) * (j + 1)]
             if bitwise:
                 assert out.logprobs[j] == solo[i].logprobs[0], f"{context}: off by {delta:.3g}"
+                assert np.array_equal(labels, solo[i].label_logprobs), context
             else:
                 assert delta <= 1e-5, f"{context}: off by {delta:.3g}"
+                assert np.abs(labels - solo[i].label_logprobs).max() <= 1e-5, context
     return worst
+
+
+def labelled(batch):
+    """Every request of `batch` asks for the label token logprobs of LABELS."""
+    return with_options(batch, [0] * batch.size, [0] * batch.size, labels=LABELS)
 
 
 def test_default_mode_is_invariant_within_tolerance() -> None:

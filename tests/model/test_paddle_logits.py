@@ -98,3 +98,20 @@ def test_join_of_one_slice_is_that_slice_and_targets_outside_are_minus_inf() -> 
     assert np.isneginf(one.picked[[0, 1, 3, 4]]).all() and np.isfinite(one.picked[2])
     assert (one.ids >= 8192).all() and (one.ids < 2 * 8192).all()
     assert VOCAB_CHUNK == 8192
+
+
+def test_label_targets_per_row_are_picked_across_slices_on_the_cpu_and_device_paths() -> None:
+    """[rows, m] targets (label token ids, -1 padding) read each row's logits at m ids across
+    the slices; the device path (run here on CPU tensors) picks the same values."""
+    from aioprefill.workers.paddle.logits import _device_rows
+
+    h, w, _ = _case(6)
+    labels = np.array([[0, 8191, 8192, 19_999]] * 3 + [[5, 5, -1, -1]] * 3, dtype=np.int64)
+    got = _rows(h, w, 0, labels)
+    logits = paddle.matmul(paddle.to_tensor(h), paddle.to_tensor(w), transpose_y=True).numpy()
+    want = np.where(labels >= 0, np.take_along_axis(logits, np.maximum(labels, 0), 1), -np.inf)
+    assert got.picked is not None and got.picked.shape == (6, 4)
+    assert np.array_equal(got.picked, want.astype(np.float64))
+    inside = labels >= 0
+    dev = _device_rows(paddle.to_tensor(logits), 0, np.where(inside, labels, 0), inside, 0)
+    assert dev.picked is not None and np.array_equal(dev.picked, got.picked)

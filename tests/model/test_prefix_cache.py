@@ -22,7 +22,16 @@ from aioprefill.wire.kv import kv_layout
 from aioprefill.workers.paddle.runner import PaddleRunner
 from aioprefill.workers.runner import ForwardOutput
 from tests.model.batches import make_batch, small
-from tests.model.prefix import ALL, LAST, B, check_same, concat_outputs, planned, with_options
+from tests.model.prefix import (
+    ALL,
+    LABELS,
+    LAST,
+    B,
+    check_same,
+    concat_outputs,
+    planned,
+    with_options,
+)
 
 MODES = ["default", "deterministic"]
 _ids = itertools.count(1000)
@@ -52,7 +61,7 @@ def run(
     outs = []
     for j, (tokens, start) in enumerate(chunks):
         batch = make_batch([tokens], ids=[rid], starts=[start], last=[j == len(chunks) - 1])
-        batch = with_options(batch, [options], [top_k])
+        batch = with_options(batch, [options], [top_k], labels=LABELS)
         if plans is not None:
             reads, writes, first = plans[j]
             batch = planned(batch, [reads], [writes], [first])
@@ -140,7 +149,8 @@ def test_piggyback_in_one_batch(mode: str) -> None:
     b = np.concatenate([shared, prompt(7, seed=6)])
     want_a, want_b = whole(r, a), whole(r, b)
     batch = make_batch([a, b[48:]], ids=[1, 2], starts=[0, 48])
-    batch = planned(with_options(batch, [ALL, ALL], [3, 3]), [[], [30, 31, 32]], [[30, 31, 32], []])
+    batch = with_options(batch, [ALL, ALL], [3, 3], labels=LABELS)
+    batch = planned(batch, [[], [30, 31, 32]], [[30, 31, 32], []])
     out = r.forward(batch)
     assert out.request_ids.tolist() == [1, 2]
     for i, want in ((0, want_a), (1, want_b)):
@@ -156,6 +166,7 @@ def test_piggyback_in_one_batch(mode: str) -> None:
             prompt_top_k_ids=out.prompt_top_k_ids[3 * sl.start : 3 * sl.stop],
             prompt_top_k_logprobs=out.prompt_top_k_logprobs[3 * sl.start : 3 * sl.stop],
             embeddings=out.embeddings[i : i + 1],
+            label_logprobs=out.label_logprobs[len(LABELS) * i : len(LABELS) * (i + 1)],
         )
         assert len(one.prompt_logprobs) == rows
         same(one, want, mode, f"request {i}")
@@ -173,6 +184,7 @@ def _one(out: ForwardOutput, i: int, rows: slice, k: int) -> ForwardOutput:
         prompt_top_k_ids=out.prompt_top_k_ids[k * rows.start : k * rows.stop],
         prompt_top_k_logprobs=out.prompt_top_k_logprobs[k * rows.start : k * rows.stop],
         embeddings=out.embeddings[i : i + 1],
+        label_logprobs=out.label_logprobs[len(LABELS) * i : len(LABELS) * (i + 1)],
     )
 
 
@@ -191,7 +203,7 @@ def test_reader_of_kept_and_piggybacked_blocks(mode: str) -> None:
     b = np.concatenate([question, prompt(2, seed=24)])
     want = [run(r, [(p, 0)], ALL, top_k=1) for p in (a, b)]
     batch = with_options(
-        make_batch([a[32:], b[48:]], ids=[1, 2], starts=[32, 48]), [ALL] * 2, [1, 1]
+        make_batch([a[32:], b[48:]], ids=[1, 2], starts=[32, 48]), [ALL] * 2, [1, 1], labels=LABELS
     )
     out = r.forward(planned(batch, [[54, 55], [54, 55, 56]], [[56], []], [2, 0]))
     assert out.request_ids.tolist() == [1, 2]
@@ -248,6 +260,7 @@ def test_default_mode_takes_onednn_where_only_mkls_rows_move(monkeypatch, caplog
     """Where MKL's rows move at 64 rows or more and oneDNN's hold (the check's verdicts set
     here), the default mode multiplies on oneDNN with its floor, and a hit is the cache-off run."""
     from aioprefill.workers.paddle import rows as paddle_rows
+
     monkeypatch.delenv("AIOPREFILL_CPU_GEMM", raising=False)
     verdict = lambda mm, *a: (16, {}) if mm.uses_onednn else (None, {"down": [64]})  # noqa: E731
     monkeypatch.setattr(paddle_rows, "row_floor", verdict)
@@ -268,6 +281,7 @@ def test_default_mode_warns_and_pads_to_64_rows_where_rows_move(monkeypatch, cap
     answer as before. (The check's verdict is set here: which products move depends on the CPU
     and threads.)"""
     from aioprefill.workers.paddle import rows as paddle_rows
+
     monkeypatch.setattr(paddle_rows, "row_floor", lambda *a: (None, {"down": [64]}))
     with caplog.at_level(logging.WARNING, logger="aioprefill.worker"):
         padded = PaddleRunner(runner("default").spec, prefix_cache_bytes=8 * 14978, block_tokens=B)

@@ -149,8 +149,11 @@ def test_embeddings_float_and_base64(client):
     ).json()
     b64 = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_array_equal(b64, np.float32(vectors[1]))
-    with pytest.raises(openai.BadRequestError):
-        client.embeddings.create(model="m", input=[[1, 2]], dimensions=8)
+    short = client.embeddings.create(model="m", input=inputs, dimensions=8, encoding_format="float")
+    np.testing.assert_array_equal([d.embedding for d in short.data], vectors[:, :8])  # Matryoshka
+    for dims in (0, 65):  # 0 or more than the model's size
+        with pytest.raises(openai.BadRequestError, match="dimensions"):
+            client.embeddings.create(model="m", input=[[1, 2]], dimensions=dims)
 
 
 def test_other_endpoints(server, client):

@@ -1,12 +1,13 @@
 """`OutputHead`: what a PaddleRunner computes from the final hidden states, per request.
 
 Every finished request gets its greedy token and log-probability; the output options add, only
-for the requests that asked: top-k at the last position, prompt log-probabilities (the LM head
-on every position of *those* requests: a 512-token prompt costs 512 head rows, its batch-mates
-none) and, with `OPT_PROMPT_TOP_K`, the top-k at each of those positions, and a pooled
-final-norm hidden state. A chunked prompt carries what its next chunk needs (the last row's
-hidden state for the next token's log-probability, the running sum for mean pooling), so its
-outputs equal the unchunked ones.
+for the requests that asked: top-k and label token logprobs (read from the same logits as the
+greedy token's, by the same float32/float64 rule) at the last position, prompt
+log-probabilities (the LM head on every position of *those* requests: a 512-token prompt costs
+512 head rows, its batch-mates none) and, with `OPT_PROMPT_TOP_K`, the top-k at each of those
+positions, and a pooled final-norm hidden state. A chunked prompt carries what its next chunk
+needs (the last row's hidden state for the next token's log-probability, the running sum for
+mean pooling), so its outputs equal the unchunked ones.
 
 The log-sum-exp and the rest of each row's results come from `paddle.logits.head_rows`: on the
 CPU the head runs a slice of the vocabulary at a time and reduces each slice's logits while they
@@ -120,9 +121,15 @@ class OutputHead:
             )
         top_k = batch.top_k_of()[done]
         last_rows = paddle.gather(x, paddle.to_tensor(offsets[done + 1] - 1))
-        h, r = self._rows(last_rows, int(top_k.max()))
+        labels = [batch.labels_of(i) for i in done.tolist()]
+        h, r = self._rows(last_rows, int(top_k.max()), labels=_label_matrix(labels))
         k_ids = [r.top_ids[j, :k] for j, k in enumerate(top_k.tolist()) if k]
         k_lps = [r.top_vals[j, :k] - r.lse[j] for j, k in enumerate(top_k.tolist()) if k]
+        label_lps = [
+            (r.picked[j, : len(ids)] - r.lse[j]).astype(np.float32)  # type: ignore[index]
+            for j, ids in enumerate(labels)
+            if ids is not None
+        ]
         embeds = []
         options = batch.options
         if options is not None:
@@ -150,6 +157,7 @@ class OutputHead:
             prompt_top_k_ids=p_ids,
             prompt_top_k_logprobs=p_lps,
             embeddings=np.stack(embeds) if embeds else np.empty((0, 0), np.float32),
+            label_logprobs=np.concatenate(label_lps) if label_lps else np.empty(0, np.float32),
         )
 
     def _prompt_logprobs(
@@ -260,11 +268,16 @@ class OutputHead:
     # ------------------------------------------------------------------ rows of the head
 
     def _rows(
-        self, h: paddle.Tensor, kmax: int, targets: np.ndarray | None = None
+        self,
+        h: paddle.Tensor,
+        kmax: int,
+        targets: np.ndarray | None = None,
+        *,
+        labels: np.ndarray | None = None,
     ) -> tuple[np.ndarray | None, HeadRows]:
         """Rows `h` [rows, hidden] through the final norm and the head, tile by tile: the
         final-norm rows (float32 [rows, hidden]; None with `targets`, which never need them)
-        and the head's per-row results."""
+        and the head's per-row results; `labels` [rows, m] (last rows): their logits picked."""
         rows = h.shape[0]
         floor = self._min_rows if targets is not None else 1  # prompt logprobs; last rows: as many
         if self._tile:  # deterministic: fixed tiles
@@ -278,10 +291,13 @@ class OutputHead:
             h = paddle.concat([h, paddle.zeros([padded - rows, h.shape[1]], dtype=h.dtype)])
             if targets is not None:
                 targets = np.concatenate([targets, np.zeros(padded - rows, dtype=np.int64)])
+            if labels is not None:
+                labels = np.concatenate([labels, np.full((padded - rows, labels.shape[1]), -1)])
         normed, parts = [], []
         for lo in range(0, padded, tile):
             hn = self._rms_norm(h[lo : lo + tile], self._norm, self._eps)
             t = None if targets is None else targets[lo : lo + tile]
+            t = t if labels is None else labels[lo : lo + tile]
             v0 = 0 if self._shard is None else self._shard.vocab_start
             got = head_rows(hn, self._lm_head, self._product, kmax, t, v0=v0)
             # parallel: this rank's vocabulary slice, joined with the other ranks'
@@ -293,6 +309,18 @@ class OutputHead:
         ]
         h_out = np.concatenate(normed)[:rows] if normed else None
         return h_out, HeadRows(*joined)  # type: ignore[arg-type]
+
+
+def _label_matrix(labels: list[np.ndarray | None]) -> np.ndarray | None:
+    """int64[rows, most]: each last row's label token ids, -1 after its own (None: no labels)."""
+    most = max((len(ids) for ids in labels if ids is not None), default=0)
+    if not most:
+        return None
+    out = np.full((len(labels), most), -1, dtype=np.int64)
+    for j, ids in enumerate(labels):
+        if ids is not None:
+            out[j, : len(ids)] = ids
+    return out
 
 
 def _matmul_t(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:

@@ -36,7 +36,8 @@ VOCAB_CHUNK = 8192
 class HeadRows(NamedTuple):
     """Per-row results of the head: argmax id int64, its logit, log-sum-exp (both float64),
     top-k logits float32 / ids int32 [rows, kmax] best first, target logits float64 or None
-    (-inf for a target outside the vocabulary slice these rows saw)."""
+    (-inf for a target outside the vocabulary slice these rows saw; [rows, m] for targets
+    [rows, m]: a row's label token ids, -1 where it has fewer)."""
 
     ids: np.ndarray
     best: np.ndarray
@@ -61,8 +62,8 @@ def head_rows(
 ) -> HeadRows:
     """`hn` [rows, hidden] against `weight` [n, hidden], the vocabulary ids v0 .. v0 + n (a
     tensor-parallel rank's slice, or all of it): per-row results over those ids, ids global.
-    `product(x, w)` is x @ w.T. `targets`: int64[rows] global ids (or None). `chunk`: the CPU's
-    vocabulary slice."""
+    `product(x, w)` is x @ w.T. `targets`: int64[rows] (or [rows, m]) global ids, or None.
+    `chunk`: the CPU's vocabulary slice."""
     n = int(weight.shape[0])
     step = chunk if hn.place.is_cpu_place() else n
     parts = []
@@ -126,7 +127,8 @@ def _slice_rows(logits: paddle.Tensor, kmax: int, targets: np.ndarray | None, v0
         vals = np.take_along_axis(pv, order, axis=-1)
     picked = None
     if local is not None and inside is not None:
-        picked = np.where(inside, lg[rows, local].astype(np.float64), -np.inf)
+        got = np.take_along_axis(lg, local.reshape(len(lg), -1), axis=-1).reshape(local.shape)
+        picked = np.where(inside, got.astype(np.float64), -np.inf)
     # exp(l - max) is in (0, 1]: in place, then NumPy's pairwise float32 sum (module docstring)
     np.subtract(lg, best[:, None], out=lg)
     np.exp(lg, out=lg)
@@ -155,7 +157,7 @@ def _device_rows(
         vals, tops = v.numpy(), i.numpy().astype(np.int32)
     picked = None
     if local is not None and inside is not None:
-        tt = paddle.to_tensor(local.reshape(-1, 1))
-        got = paddle.take_along_axis(logits, tt, axis=-1).squeeze(-1).numpy()
+        tt = paddle.to_tensor(local.reshape(len(local), -1))
+        got = paddle.take_along_axis(logits, tt, axis=-1).numpy().reshape(local.shape)
         picked = np.where(inside, got.astype(np.float64), -np.inf)
     return HeadRows(arg + v0, best, lse, vals, tops + v0, picked)

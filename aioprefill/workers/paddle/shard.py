@@ -149,18 +149,19 @@ class Shard:
         assert self.group is not None
         k = mine.top_vals.shape[1]
         picked = np.zeros(len(mine.ids)) if mine.picked is None else mine.picked
+        m = 1 if picked.ndim == 1 else picked.shape[1]  # targets per row (label token ids)
         columns = [mine.ids, mine.best, mine.lse, picked]
         packed = np.column_stack([*columns, mine.top_vals, mine.top_ids]).astype(np.float64)
-        every = self.group.all_gather(paddle.to_tensor(packed)).numpy()  # [tp, rows, 4 + 2k]
+        every = self.group.all_gather(paddle.to_tensor(packed)).numpy()  # [tp, rows, 3+m+2k]
         return join(
             [
                 HeadRows(
                     r[:, 0].astype(np.int64),
                     r[:, 1],
                     r[:, 2],
-                    r[:, 4 : 4 + k].astype(np.float32),
-                    r[:, 4 + k :].astype(np.int32),
-                    None if mine.picked is None else r[:, 3],
+                    r[:, 3 + m : 3 + m + k].astype(np.float32),
+                    r[:, 3 + m + k :].astype(np.int32),
+                    None if mine.picked is None else r[:, 3 : 3 + m].reshape(picked.shape),
                 )
                 for r in every
             ]
