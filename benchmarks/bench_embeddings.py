@@ -58,7 +58,7 @@ WORDS = (  # noqa: SIM905
 ).split()
 
 ST_CHILD = r"""
-import json, sys, time
+import json, resource, sys, time
 import numpy as np, torch
 from sentence_transformers import SentenceTransformer
 model_dir, sentences, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -69,11 +69,12 @@ m.encode(texts[:64], batch_size=32, normalize_embeddings=True)
 print(json.dumps({"ready": True, "torch": torch.__version__}), flush=True)
 for line in sys.stdin:
     bs, out, n = line.split()
-    t = time.perf_counter()
+    t, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     e = m.encode(texts[: int(n)], batch_size=int(bs), normalize_embeddings=True)
-    dt = time.perf_counter() - t
+    dt, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+    cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
     np.save(out, e.astype(np.float32))
-    print(json.dumps({"seconds": dt}), flush=True)
+    print(json.dumps({"seconds": dt, "cpu": cpu}), flush=True)
 """
 
 
@@ -109,11 +110,13 @@ class SentenceTransformers:
             raise RuntimeError("sentence-transformers child died")
         return line
 
-    def encode(self, batch: int, out: str, n: int) -> float:
+    def encode(self, batch: int, out: str, n: int) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of the process: every torch thread)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"{batch} {out} {n}\n")
         self.proc.stdin.flush()
-        return json.loads(self._line())["seconds"]
+        answer = json.loads(self._line())
+        return answer["seconds"], answer["cpu"]
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -124,12 +127,24 @@ class SentenceTransformers:
             self.proc.kill()
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (every thread), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
 async def engine_run(engine: Engine, text: EncoderText, sentences: list[str]) -> tuple:
-    t = time.perf_counter()
+    """(wall seconds, CPU seconds of this process and the workers, embeddings, results)."""
+    pids = [os.getpid(), *engine.worker_pids()]
+    t, c = time.perf_counter(), cpu_seconds(pids)
     ids = text.encode_batch(sentences)
     results = await asyncio.gather(*(engine.prefill(x) for x in ids))
-    dt = time.perf_counter() - t
-    return dt, np.stack([r.embedding for r in results]), results
+    dt, cpu = time.perf_counter() - t, cpu_seconds(pids) - c
+    return dt, cpu, np.stack([r.embedding for r in results]), results
 
 
 def main() -> None:
@@ -172,12 +187,13 @@ def main() -> None:
         batches = [int(b) for b in args.st_batch.split(",")]
         n_try = min(len(sentences), args.st_try)
         tried = {b: st.encode(b, os.path.join(tmp, "st.npy"), n_try) for b in batches}
-        best = min(tried, key=lambda b: tried[b])
+        best = min(tried, key=lambda b: tried[b][0])
         say(
             f"# st batch sizes tried once on the first {n_try} sentences: "
-            + ", ".join(f"{b}: {s:.2f} s" for b, s in tried.items())
+            + ", ".join(f"{b}: {s:.2f} s ({c:.1f} CPU-s)" for b, (s, c) in tried.items())
         )
         times: dict[str, list[float]] = {f"st_bs{best}": []}
+        cpus: dict[str, list[float]] = {f"st_bs{best}": []}
         ref = np.zeros((len(sentences), spec.hidden_size), np.float32)
         engines = {}
 
@@ -193,25 +209,29 @@ def main() -> None:
                 await engine_run(eng, text, sentences[:64])  # warm
                 engines[f"engine_{w}x{t}"] = eng
                 times[f"engine_{w}x{t}"] = []
+                cpus[f"engine_{w}x{t}"] = []
             try:
                 for r in range(args.rounds):
                     order = ["st", *engines, *reversed(engines), "st"]
                     for name in order:
                         if name == "st":
-                            s = st.encode(best, os.path.join(tmp, "st.npy"), len(sentences))
+                            s, c = st.encode(best, os.path.join(tmp, "st.npy"), len(sentences))
                             times[f"st_bs{best}"].append(s)
+                            cpus[f"st_bs{best}"].append(c)
                             ref[:] = np.load(os.path.join(tmp, "st.npy"))
                         else:
-                            s, emb, res = await engine_run(engines[name], text, sentences)
+                            s, c, emb, res = await engine_run(engines[name], text, sentences)
                             cos = (emb * ref).sum(1)
                             times[name].append(s)
+                            cpus[name].append(c)
                             sizes = [x.batch_size for x in res]
                             say(
-                                f"round {r} {name}: {s:.2f} s, min cosine vs st {cos.min():.7f}, "
-                                f"batches of {statistics.median(sizes):.0f} (median) requests"
+                                f"round {r} {name}: {s:.2f} s, {c:.1f} CPU-s, min cosine vs st "
+                                f"{cos.min():.7f}, batches of {statistics.median(sizes):.0f} "
+                                "(median) requests"
                             )
                             continue
-                        say(f"round {r} {name}: {s:.2f} s")
+                        say(f"round {r} {name}: {s:.2f} s, {c:.1f} CPU-s")
             finally:
                 for eng in engines.values():
                     await eng.close()
@@ -220,12 +240,17 @@ def main() -> None:
     finally:
         st.close()
     st_med = statistics.median(times[f"st_bs{best}"])
-    say("# medians (sentences/s; ratio to sentence-transformers measured in the same run):")
+    st_cpu = statistics.median(cpus[f"st_bs{best}"])
+    say(
+        "# medians: wall seconds, sentences/s and the ratio to sentence-transformers; CPU "
+        "seconds (every thread of every process: load-proof) and sentences per CPU-second"
+    )
+    n = len(sentences)
     for name, ts in times.items():
-        med = statistics.median(ts)
+        med, cpu = statistics.median(ts), statistics.median(cpus[name])
         say(
-            f"{name:>14}: median {med:.2f} s  {len(sentences) / med:7.1f} sentences/s  "
-            f"x{st_med / med:.2f}"
+            f"{name:>14}: {med:7.2f} s {n / med:7.1f} sentences/s x{st_med / med:.2f} | "
+            f"{cpu:7.1f} CPU-s {n / cpu:6.1f} sentences/CPU-s x{st_cpu / cpu:.2f}"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

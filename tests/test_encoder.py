@@ -253,6 +253,30 @@ def test_random_weight_encoders_are_batch_invariant_in_the_runner() -> None:
         run([np.zeros(129, np.int32)])
 
 
+def test_random_weight_xlm_roberta_counts_positions_from_the_padding_index() -> None:
+    from aioprefill.workers.paddle.encoder import EncoderRunner
+
+    spec = _tiny_bert(
+        architecture="XLMRobertaModel", type_vocab_size=1, position_offset=2, pooling="cls"
+    )
+    assert spec.max_prompt_tokens == 126  # 128 positions, the first two never used
+    runner = EncoderRunner(spec)
+    ids = np.arange(5, 131, dtype=np.int32)  # 126 tokens: the last position row is used
+    out = runner.forward(
+        ForwardBatch(
+            request_ids=np.zeros(1, np.int64),
+            offsets=np.array([0, len(ids)], np.int32),
+            tokens=ids,
+            start_pos=np.zeros(1, np.int32),
+            is_last=np.ones(1, bool),
+        )
+    )
+    assert out.embeddings.shape == (1, 64) and np.isfinite(out.embeddings).all()
+    assert (out.tokens == -1).all() and out.scores.size == 0
+    with pytest.raises(InvalidConfig, match="max_prompt_tokens"):
+        EngineConfig(model=spec, max_prompt_tokens=127)
+
+
 def test_engine_settings_that_do_not_apply_to_an_encoder_are_refused() -> None:
     spec = PaddleModel.from_pretrained(minilm_dir())
     for kw, needle in (
