@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING
 
-__all__ = ["DTYPES", "checkpoint_dtype", "cpu_bf16_units", "resolve_dtype"]
+if TYPE_CHECKING:
+    from aioprefill.hf.gguf_file import GGUFHeader
+
+__all__ = ["DTYPES", "checkpoint_dtype", "cpu_bf16_units", "gguf_dtype", "resolve_dtype"]
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -51,6 +55,18 @@ def checkpoint_dtype(config: dict[str, object]) -> str:
     raw = config.get("torch_dtype", config.get("dtype"))
     name = str(raw).removeprefix("torch.") if raw is not None else "float32"
     return _TORCH.get(name, "float32")
+
+
+# GGML tensor types that are plain floats: F32, F16, BF16 (any other is a quantized block type)
+_GGML_FLOATS = {0: "float32", 1: "float16", 30: "bfloat16"}
+
+
+def gguf_dtype(header: GGUFHeader) -> str:
+    """A GGUF file's dtype: that of its 2-D (matrix) tensors when they are all one float type,
+    float32 when any is quantized (dequantized to float32 on load) or they mix."""
+    kinds = {_GGML_FLOATS.get(int(t.ggml_type), "quantized") for t in header.tensors.values()
+             if len(t.shape) >= 2}  # fmt: skip
+    return kinds.pop() if len(kinds) == 1 and "quantized" not in kinds else "float32"
 
 
 def resolve_dtype(requested: str, stored: str, device: str, source: str = "") -> str:

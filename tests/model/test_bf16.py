@@ -167,3 +167,17 @@ def test_cpu_dtype_policy(monkeypatch) -> None:
     assert hf_dtype.checkpoint_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"
     assert hf_dtype.checkpoint_dtype({"dtype": "torch.float16"}) == "float16"
     assert hf_dtype.checkpoint_dtype({}) == "float32"
+
+
+def test_from_pretrained_takes_the_checkpoints_dtype_where_the_cpu_computes_it() -> None:
+    from pathlib import Path
+
+    from aioprefill.config import PaddleModel
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    bf16 = "bfloat16" if hf_dtype.cpu_bf16_units() else "float32"
+    assert PaddleModel.from_pretrained(data / "hf" / "llama_bf16").dtype == bf16
+    assert PaddleModel.from_pretrained(data / "hf" / "llama3_rope").dtype == "float32"
+    exact = PaddleModel.from_pretrained(data / "hf" / "llama_bf16", dtype="float32")
+    assert exact.dtype == "float32"
+    assert PaddleModel.from_pretrained(data / "hf" / "llama_bf16", device="gpu").dtype == "bfloat16"
