@@ -181,3 +181,32 @@ def test_from_pretrained_takes_the_checkpoints_dtype_where_the_cpu_computes_it()
     exact = PaddleModel.from_pretrained(data / "hf" / "llama_bf16", dtype="float32")
     assert exact.dtype == "float32"
     assert PaddleModel.from_pretrained(data / "hf" / "llama_bf16", device="gpu").dtype == "bfloat16"
+
+
+def test_workers_on_a_cuda_device_start_with_spawn(monkeypatch) -> None:
+    from aioprefill.config import EngineConfig, PaddleModel
+    from aioprefill.engine.pool import process
+
+    def method(device: str) -> str:
+        return process.start_method_for(EngineConfig(model=PaddleModel(device=device)))
+
+    assert method("cpu") == "forkserver" and method("gpu") == "spawn"
+    monkeypatch.setattr(process, "_cuda_paddle", lambda: True)
+    assert method("auto") == "spawn"
+    monkeypatch.setattr(process, "_cuda_paddle", lambda: False)
+    assert method("auto") == "forkserver"
+
+
+def test_parallel_groups_check_the_device_once_it_is_picked(monkeypatch) -> None:
+    """A CPU model on a CUDA build may form a group (paddle's default device there is a GPU,
+    which the group no longer reads); a GPU one is refused once its device is known."""
+    from aioprefill.config import PaddleModel
+    from aioprefill.workers.paddle import runner as paddle_runner
+
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 2)
+    pick = paddle_runner._pick_device
+    assert pick(PaddleModel(device="cpu"), 0, True) == "cpu"
+    assert pick(PaddleModel(device="auto"), 1, False) == "gpu:1"
+    with pytest.raises(InvalidConfig, match="tensor/expert parallelism runs on CPU"):
+        pick(PaddleModel(device="auto"), 0, True)

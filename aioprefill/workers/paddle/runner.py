@@ -27,9 +27,8 @@ of `_HEAD_TILE_ROWS` rows, zero-padded (MKL treated every row position of a 64- 
 product alike, not of a 32-row one; tests check it bitwise): ~1.1x the cost on full batches,
 up to 2.3x on a lone short request (benchmarks/bench_paddle_model.py).
 
-This module is imported only in worker processes (a forkserver may preload it): it imports
-paddle, and first sets MKL's CPU dispatch on AMD processors; a CPU runner also changes how
-glibc malloc keeps freed memory (see `paddle.env`).
+Imported only in worker processes (a forkserver may preload it): it imports paddle, first setting
+MKL's CPU dispatch on AMD; a CPU runner changes how glibc keeps freed memory (`paddle.env`).
 """
 
 from __future__ import annotations
@@ -83,12 +82,14 @@ _HEAD_TILE_ROWS = 16
 _ATTN_TILE = 64
 
 
-def _pick_device(spec: PaddleModel, worker_index: int) -> str:
+def _pick_device(spec: PaddleModel, worker_index: int, grouped: bool = False) -> str:
     has_cuda = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
     if spec.device == "gpu" and not has_cuda:
         raise InvalidConfig("PaddleModel.device: 'gpu' but this paddle has no CUDA device")
     if spec.device == "cpu" or not has_cuda:
         return "cpu"
+    if grouped:  # checked here, once the device is known
+        raise InvalidConfig("tensor/expert parallelism runs on CPU (gloo): use device='cpu'")
     return f"gpu:{worker_index % paddle.device.cuda.device_count()}"
 
 
@@ -118,9 +119,8 @@ class PaddleRunner:
         block_tokens: int = 16,
     ) -> None:
         self.spec = spec
-        # parallel: this rank's share of the model (all of it alone), see paddle.shard
-        self._shard = Shard(spec, group, mode)
-        self.device = _pick_device(spec, worker_index)
+        self._shard = Shard(spec, group, mode)  # parallel: this rank's share (paddle.shard)
+        self.device = _pick_device(spec, worker_index, group is not None)
         self._bf16 = cpu_bf16(spec.dtype, self.device)  # InvalidConfig where the CPU cannot
         paddle.set_device(self.device)
         self._rms_norm = rms_norm_for(self.device)
