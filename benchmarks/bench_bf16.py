@@ -16,6 +16,8 @@ tok/CPU-s (the machine is shared: CPU time is the steadier figure).
     # the float64 reference (committed as results/model/bf16_reference_f64.npz), in a venv with
     # torch + transformers, from SmolLM2 as an HF float32 directory (the GGUF dequantized):
     .ref-venv/bin/python benchmarks/bench_bf16.py reference --hf-dir DIR --out FILE
+    # a vLLM OpenAI server already started on the same model (docs/performance.md):
+    python benchmarks/bench_bf16.py vllm --url http://127.0.0.1:PORT --label bfloat16
 """
 
 from __future__ import annotations
@@ -135,6 +137,62 @@ def accuracy(outs, ref, name: str, task: str) -> str:
     )
 
 
+def run_vllm(args: argparse.Namespace) -> None:
+    """A running vLLM OpenAI server (`--url`, started by hand: see docs/performance.md) on the
+    same prompts: 64 requests in flight 16 at a time, max_tokens 1; next token (logprobs 1) and
+    scoring (echo + prompt_logprobs); wall tok/s per pass, then accuracy against float64."""
+    import asyncio
+
+    import aiohttp
+
+    ref = np.load(args.reference)
+    sets = workloads(args.workloads.split(","))
+
+    async def one(session, p: np.ndarray, score: bool) -> dict:
+        body = {"model": args.served_model, "prompt": p.tolist(), "max_tokens": 1,
+                "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+        if score:
+            body |= {"echo": True, "prompt_logprobs": 0}
+        async with session.post(args.url + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            return (await r.json())["choices"][0]
+
+    async def run(prompts, score: bool) -> tuple[list[dict], float]:
+        sem = asyncio.Semaphore(16)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+
+            async def bounded(p):
+                async with sem:
+                    return await one(session, p, score)
+
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*(bounded(p) for p in prompts))
+            return got, time.perf_counter() - t0
+
+    for name, prompts in sets.items():
+        tokens = sum(len(p) for p in prompts)
+        for task in ("next", "score"):
+            got, wall = asyncio.run(run(prompts, task == "score"))
+            print(
+                f"vllm {args.label} {name:7s} {task:5s} {tokens / wall:7.0f} tok/s (wall, 1 pass)"
+            )
+        toks = np.array([int(c["logprobs"]["tokens"][-1].split(":")[-1]) for c in got])
+        lps = np.array([c["logprobs"]["token_logprobs"][-1] for c in got], np.float64)
+        plp = np.concatenate([_prompt_logprobs(c, p) for c, p in zip(got, prompts, strict=True)])
+        same = int((toks == ref[f"{name}_0"]).sum())
+        d = np.abs(plp - ref[f"{name}_2"])
+        print(f"vllm {args.label} {name:7s} vs float64: greedy {same}/{len(toks)}, next-token "
+              f"logprob max |d| {np.abs(lps - ref[f'{name}_1']).max():.2e}; prompt logprob |d| "
+              f"mean {d.mean():.2e} p99 {np.quantile(d, 0.99):.2e} max {d.max():.2e}")  # fmt: skip
+        sys.stdout.flush()
+
+
+def _prompt_logprobs(choice: dict, prompt: np.ndarray) -> list[float]:
+    """vLLM's prompt_logprobs (None for token 0, then {token id: {logprob...}}) of the prompt."""
+    entries = choice["prompt_logprobs"][1:]
+    return [e[str(int(t))]["logprob"] for e, t in zip(entries, prompt[1:], strict=True)]
+
+
 def reference(args: argparse.Namespace) -> None:
     """transformers' float64 forward (run in a venv with torch + transformers)."""
     import torch
@@ -161,15 +219,20 @@ def reference(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", nargs="?", default="aioprefill", choices=["aioprefill", "reference"])
+    p.add_argument(
+        "what", nargs="?", default="aioprefill", choices=["aioprefill", "reference", "vllm"]
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--time-prompts", type=int, default=32, help="of 64x280's, for the timing")
     p.add_argument("--workloads", default="64x280,real12")
     p.add_argument("--reference", default=str(REFERENCE))
     p.add_argument("--hf-dir", default="")
     p.add_argument("--out", default=str(REFERENCE))
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="vllm: the server")
+    p.add_argument("--served-model", default="smollm2")
+    p.add_argument("--label", default="", help="vllm: a name for its dtype in the output")
     args = p.parse_args()
-    (run_aioprefill if args.what == "aioprefill" else reference)(args)
+    {"aioprefill": run_aioprefill, "reference": reference, "vllm": run_vllm}[args.what](args)
 
 
 if __name__ == "__main__":
