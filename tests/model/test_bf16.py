@@ -210,3 +210,11 @@ def test_parallel_groups_check_the_device_once_it_is_picked(monkeypatch) -> None
     assert pick(PaddleModel(device="auto"), 1, False) == "gpu:1"
     with pytest.raises(InvalidConfig, match="tensor/expert parallelism runs on CPU"):
         pick(PaddleModel(device="auto"), 0, True)
+
+
+def test_a_quantized_gguf_stays_float32_under_auto() -> None:
+    from aioprefill.config import PaddleModel
+    from tests.hf.smollm2 import gguf_path
+
+    assert PaddleModel.from_pretrained(gguf_path()).dtype == "float32"  # Q4_1 / Q8_0
+    assert PaddleModel.from_pretrained(gguf_path(), dtype="bfloat16").dtype == "bfloat16"
