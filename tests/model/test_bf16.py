@@ -218,3 +218,17 @@ def test_a_quantized_gguf_stays_float32_under_auto() -> None:
 
     assert PaddleModel.from_pretrained(gguf_path()).dtype == "float32"  # Q4_1 / Q8_0
     assert PaddleModel.from_pretrained(gguf_path(), dtype="bfloat16").dtype == "bfloat16"
+
+
+@needs_bf16
+def test_moe_in_bf16_keeps_its_experts_float32() -> None:
+    """A mixture of experts in bfloat16: attention and the head in bf16, the experts float32."""
+    ps = prompts(np.random.default_rng(0), [5, 40], 512)
+    spec = small(num_experts=4, num_experts_per_tok=2, seed=11)
+    want = PaddleRunner(spec).forward(make_batch(ps))
+    got = PaddleRunner(small(**{**_fields(spec), "dtype": "bfloat16"})).forward(make_batch(ps))
+    assert np.abs(got.logprobs - want.logprobs).max() < 0.01
+
+
+def _fields(spec) -> dict:
+    return {f: getattr(spec, f) for f in spec.__struct_fields__}

@@ -24,8 +24,9 @@ bfloat16 weight and a float32 `x` round `x` to bfloat16 (round to nearest even, 
 into a kept buffer: bitwise Paddle's cast, ~3x faster) and call oneDNN's `dnnl_gemm_bf16bf16f32`
 from the same library: bfloat16 inputs, float32 accumulation, float32 output written straight
 into the Paddle tensor (AMX where the CPU has it, avx512_bf16 otherwise). Its rows are bitwise
-batch-invariant from 2 rows (measured: the study in docs/performance.md), so the tiles and the
-row floor hold as for sgemm. `per_head` (attention) stays float32.
+batch-invariant from 2 rows (measured for SmolLM2's shapes at 1 and 2 threads while designing
+issue 35; `paddle.rows` checks it at start, the tests bitwise), so the tiles and the row floor
+hold as for sgemm. `per_head` (attention) stays float32.
 
 Batch invariance: with `tile_rows` (`deterministic=True`) `linear` and `project` multiply fixed
 tiles of that many rows, each written in place into the output (no split, no concat), so no
