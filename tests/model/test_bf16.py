@@ -232,3 +232,31 @@ def test_moe_in_bf16_keeps_its_experts_float32() -> None:
 
 def _fields(spec) -> dict:
     return {f: getattr(spec, f) for f in spec.__struct_fields__}
+
+
+@needs_bf16
+@pytest.mark.asyncio
+async def test_a_bf16_checkpoint_through_the_engine_with_its_prefix_cache() -> None:
+    """tests/data/hf/llama_bf16 (bf16 weights: exact in bf16) under dtype auto, in a real worker
+    process, prompts chunked beside each other: near transformers' float64 golden, and a second
+    pass (alone, prefix-cache hits) bitwise the first with deterministic=True."""
+    import asyncio
+    from pathlib import Path
+
+    from aioprefill import Engine
+    from aioprefill.config import EngineConfig, PaddleModel
+    from tests.hf.goldens import expected
+
+    path = Path(__file__).parents[1] / "data/hf/llama_bf16"
+    model = PaddleModel.from_pretrained(path, deterministic=True)
+    assert model.dtype == "bfloat16"
+    exp = expected("llama_bf16")
+    config = EngineConfig(model=model, max_batch_tokens=64, prefix_cache_bytes=8 << 20)
+    async with Engine(config) as engine:
+        first = await asyncio.gather(*(engine.prefill(p) for p in exp["prompts"]))
+        again = [await engine.prefill(p) for p in exp["prompts"]]
+    assert any(r.num_chunks > 1 for r in first) and any(r.cached_tokens for r in again)
+    for got, hit, token, logprob in zip(first, again, exp["tokens"], exp["logprobs"], strict=True):
+        assert abs(got.logprob - logprob) < 0.05
+        assert (hit.token, hit.logprob) == (got.token, got.logprob)
+        assert got.token == token
