@@ -306,9 +306,13 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
         into `dtype`; Q4 grows about 8x in float32), with `weights=` set to it.
 
         `overrides` replace fields (`device="cpu"`, `dtype="bfloat16"`, `num_threads=4`, ...)
-        and show on the returned spec. An architecture, RoPE type, quantization or any other
-        config key that would change the forward and is not implemented raises `InvalidConfig`
-        naming the key; so do tensors that do not fit (checked from the file headers).
+        and show on the returned spec. `dtype` defaults to `"auto"` here (`hf.dtype`): the
+        checkpoint's `torch_dtype` where the device computes it well (a CPU: bfloat16 with
+        avx512_bf16 or AMX), float32 otherwise and for quantized GGUF files; `"float32"` is the
+        exact mode (`PaddleModel(...)` itself defaults to float32). An architecture, RoPE type,
+        quantization or any other config key that would change the forward and is not
+        implemented raises `InvalidConfig` naming the key; so do tensors that do not fit
+        (checked from the file headers).
         """
         from aioprefill.hf import spec_from_pretrained
 

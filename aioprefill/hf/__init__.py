@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config import spec_fields
+from aioprefill.hf.dtype import checkpoint_dtype, gguf_dtype, resolve_dtype
 from aioprefill.hf.encoder import ENCODERS, sentence_transformers_fields
 from aioprefill.hf.spec import ModelShape
 from aioprefill.hf.tensors import WeightsError
@@ -71,9 +72,14 @@ def spec_from_pretrained(
         raise InvalidConfig(f"{os.fspath(path)}: not a checkpoint directory")
     if not (directory / CONFIG_FILE).is_file():
         raise InvalidConfig(f"{directory}: no {CONFIG_FILE}")
-    fields = {**spec_fields(_read_config(directory)), "weights": str(directory)}
+    config = _read_config(directory)
+    fields = {**spec_fields(config), "weights": str(directory)}
     if fields["architecture"] in ENCODERS:  # its pooling, Normalize, max_seq_length
         fields.update(sentence_transformers_fields(directory))
+        # encoders compute in float32 only: `auto` means float32 whatever the checkpoint holds
+        overrides = {**overrides, "dtype": overrides.get("dtype", "float32")}
+    else:
+        overrides = _with_dtype(overrides, checkpoint_dtype(config), str(directory))
     _check_overrides(cls, overrides)
     spec = cls(**{**fields, **overrides})
     check_checkpoint(str(directory), spec)
@@ -86,11 +92,20 @@ def _spec_from_gguf(cls: type[Spec], path: Path, overrides: dict[str, object]) -
     from aioprefill.hf import gguf
 
     header = gguf.read_header(path)
+    overrides = _with_dtype(overrides, gguf_dtype(header), str(path))
     _check_overrides(cls, overrides)
     spec = cls(**{**gguf.gguf_spec_fields(header), **overrides})
     gguf.check_tensors(header, spec)
     gguf.log_size(header, spec.dtype)
     return spec
+
+
+def _with_dtype(overrides: dict[str, object], stored: str, source: str) -> dict[str, object]:
+    """`overrides` with `dtype` resolved (`hf.dtype`): `auto`, the default, becomes the
+    checkpoint's dtype where the device computes it well, float32 otherwise."""
+    requested = str(overrides.get("dtype", "auto"))
+    device = str(overrides.get("device", "auto"))
+    return {**overrides, "dtype": resolve_dtype(requested, stored, device, source)}
 
 
 def _check_overrides(cls: type[Spec], overrides: dict[str, object]) -> None:

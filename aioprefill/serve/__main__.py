@@ -54,7 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU threads per worker process (default: the cores left to each worker)",
     )
     g.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
-    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default="auto",
+        help="auto: the checkpoint's where the device computes it well (a CPU: bfloat16 with "
+        "avx512_bf16 or AMX), else float32 (logged); float32 is the exact mode",
+    )
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     g.add_argument("--ep", action="store_true", help="expert parallelism across the replicas")
     g.add_argument("--policy", choices=POLICIES, default="forward")

@@ -5,7 +5,11 @@ worker only reads the slots a chunk names and writes the blocks a chunk complete
 named. A slot holds one block of `block_tokens` prompt positions:
 
 - per layer, this rank's KV heads' keys (after RoPE) and values, `[kv_heads, block_tokens,
-  head_dim]` float32 (a 2-byte model's values widen exactly to float32 and narrow back);
+  head_dim]` in the model's dtype (`kv_dtype`: float32; a bfloat16 model's as uint16 bits, a
+  float16 model's as float16: half the bytes, so ~1.9x the tokens per byte of slots for
+  SmolLM2): `write_kv` narrows the float32 arrays it is given (values already of that dtype,
+  so exactly: a bfloat16 CPU worker rounds K/V to bfloat16 where they are made) and `read_kv`
+  widens them back to float32 exactly;
 - the final hidden state (before the final norm) of every position, float32 `[block_tokens,
   hidden]`: what prompt log-probabilities, prompt top-k and mean pooling over cached positions
   are computed from (the head and the norm run on these rows exactly as on computed ones), so a
@@ -43,6 +47,19 @@ __all__ = ["SCORED_TOP_K", "BatchPlan", "BlockStore"]
 
 # The most prompt top-k a slot keeps per position (OpenAI's `logprobs` stops at 20).
 SCORED_TOP_K = 20
+# How a slot stores a model dtype's K/V (NumPy has no bfloat16: its bits).
+_KV_NUMPY: dict[str, type] = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 values that are bfloat16 values -> their uint16 bits (the high halves)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return (a.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _widen_bf16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits -> the float32 values (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 class BlockStore:
@@ -57,8 +74,11 @@ class BlockStore:
         head_dim: int,
         hidden_size: int,
         block_tokens: int,
+        kv_dtype: str = "float32",
     ) -> None:
         self.block_tokens = block_tokens
+        self.kv_dtype = kv_dtype
+        self._kv_np = _KV_NUMPY.get(kv_dtype, np.float32)
         self._allocate(num_blocks, (num_layers, kv_heads, head_dim, hidden_size))
 
     def _allocate(self, num_blocks: int, dims: tuple[int, int, int, int]) -> None:
@@ -66,8 +86,8 @@ class BlockStore:
         block_tokens = self.block_tokens
         self.num_blocks = num_blocks
         shape = (num_layers, kv_heads, num_blocks, block_tokens, head_dim)
-        self.keys = np.empty(shape, dtype=np.float32)  # lazily touched: RSS grows with use
-        self.values = np.empty(shape, dtype=np.float32)
+        self.keys: np.ndarray = np.empty(shape, dtype=self._kv_np)  # lazily touched (RSS)
+        self.values: np.ndarray = np.empty(shape, dtype=self._kv_np)
         self.hidden = np.empty((num_blocks, block_tokens, hidden_size), dtype=np.float32)
         self.tokens = np.empty((num_blocks, block_tokens), dtype=np.int32)
         # Per slot: a forward wrote it whole (a failed forward's write slots are not: reading
@@ -90,12 +110,19 @@ class BlockStore:
 
     @staticmethod
     def block_bytes(
-        *, num_layers: int, kv_heads: int, head_dim: int, hidden_size: int, block_tokens: int
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        hidden_size: int,
+        block_tokens: int,
+        kv_dtype: str = "float32",
     ) -> int:
         """Bytes one slot takes: K and V of every layer, the hidden rows, the token ids, the
         prompt logprobs and top-k."""
-        per_position = 2 * num_layers * kv_heads * head_dim + hidden_size + 2 + 2 * SCORED_TOP_K
-        return 4 * block_tokens * per_position + 2
+        kv = np.dtype(_KV_NUMPY.get(kv_dtype, np.float32)).itemsize
+        kv_bytes = kv * block_tokens * 2 * num_layers * kv_heads * head_dim
+        return kv_bytes + 4 * block_tokens * (hidden_size + 2 + 2 * SCORED_TOP_K) + 2
 
     def slot_arrays(self, slot: int) -> list[np.ndarray]:
         """One slot's every array (views), in a fixed order: what the KV store keeps of it
@@ -114,18 +141,24 @@ class BlockStore:
         """Names the slot's byte layout (store keys: blocks of other layouts never mix)."""
         layers, heads, _, b, dim = self.keys.shape
         hidden = self.hidden.shape[-1]
-        return f"paddle-slot-v1 L{layers} kv{heads}x{dim} h{hidden} B{b} top{SCORED_TOP_K}"
+        name = f"paddle-slot-v1 L{layers} kv{heads}x{dim} h{hidden} B{b} top{SCORED_TOP_K}"
+        return name if self.kv_dtype == "float32" else f"{name} kv-{self.kv_dtype}"
 
     def read_kv(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One layer's keys and values of `slots`, in order: `[kv_heads, n * B, head_dim]`."""
         k, v = self.keys[layer][:, slots], self.values[layer][:, slots]
         heads, n, b, dim = k.shape
-        return k.reshape(heads, n * b, dim), v.reshape(heads, n * b, dim)
+        k, v = k.reshape(heads, n * b, dim), v.reshape(heads, n * b, dim)
+        if k.dtype == np.uint16:  # bfloat16 bits: widen exactly
+            return _widen_bf16(k), _widen_bf16(v)
+        return k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
 
     def write_kv(self, layer: int, slots: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
         """Store `[kv_heads, n * B, head_dim]` keys and values as blocks into `slots`."""
         heads, _, dim = keys.shape
         shape = (heads, len(slots), self.block_tokens, dim)
+        if self._kv_np is np.uint16:  # values already bfloat16: their high halves, exactly
+            keys, values = _bf16_bits(keys), _bf16_bits(values)
         self.keys[layer][:, slots] = keys.reshape(shape)
         self.values[layer][:, slots] = values.reshape(shape)
 

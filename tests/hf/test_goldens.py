@@ -43,7 +43,7 @@ def check(name: str, results, exp: dict) -> None:
 @pytest.mark.parametrize("name", GOLDENS)
 async def test_golden_through_the_engine(name: str) -> None:
     exp = expected(name)
-    model = PaddleModel.from_pretrained(DATA / name, device="cpu")
+    model = PaddleModel.from_pretrained(DATA / name, device="cpu", dtype="float32")
     # max_batch_tokens=64: the longer prompts ride in chunks, beside short ones.
     config = EngineConfig(model=model, max_batch_tokens=64)
     async with Engine(config) as engine:
@@ -78,7 +78,9 @@ def _runner_logprobs(spec: PaddleModel, prompts: list[list[int]]) -> np.ndarray:
 def test_goldens_notice_a_wrong_setting(name: str, wrong: dict) -> None:
     """The goldens are sharp: the setting config.json carries, dropped, moves the logprobs."""
     exp = expected(name)
-    spec = msgspec.structs.replace(PaddleModel.from_pretrained(DATA / name), **wrong)
+    spec = msgspec.structs.replace(
+        PaddleModel.from_pretrained(DATA / name, dtype="float32"), **wrong
+    )
     logprobs = _runner_logprobs(spec, exp["prompts"])
     assert np.abs(logprobs - np.asarray(exp["logprobs"])).max() > 10 * TOLERANCE
 
@@ -101,7 +103,9 @@ def test_deterministic_mode_stays_bitwise_with_bias_and_qk_norm(name: str) -> No
     from tests.model.batches import make_batch
 
     prompts = [np.asarray(p) for p in expected(name)["prompts"]]
-    runner = PaddleRunner(PaddleModel.from_pretrained(DATA / name, deterministic=True))
+    runner = PaddleRunner(
+        PaddleModel.from_pretrained(DATA / name, deterministic=True, dtype="float32")
+    )
     together = runner.forward(make_batch(prompts))
     for i, p in enumerate(prompts):
         alone = runner.forward(make_batch([p]))

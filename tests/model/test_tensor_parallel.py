@@ -49,7 +49,7 @@ def steps_for(spec: PaddleModel, seed: int) -> list[Step]:
     ]
 
 
-def check_same(got: list[Out], want: list[Out]) -> None:
+def check_same(got: list[Out], want: list[Out], tol: float = TOL) -> None:
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.ids == w.ids, f"step {step}"
         assert g.tokens == w.tokens, f"step {step}"
@@ -60,7 +60,7 @@ def check_same(got: list[Out], want: list[Out]) -> None:
             a, b = getattr(g, name), getattr(w, name)
             assert len(a) == len(b), f"step {step}: {name}"
             diff = np.abs(np.subtract(a, b)).max(initial=0.0)
-            assert diff <= TOL, f"step {step}: |d {name}| = {diff:.2e}"
+            assert diff <= tol, f"step {step}: |d {name}| = {diff:.2e}"
 
 
 SPECS = {
@@ -70,7 +70,11 @@ SPECS = {
     "bias-qknorm": small(attention_bias=True, qk_norm=True, seed=12),  # per-head norms whole
     # TP over a mixture of experts: every expert's w1/w3 rows and w2 columns are split
     "moe": small(num_experts=4, num_experts_per_tok=2, seed=10),
+    # bfloat16 on the CPU: row-parallel partial sums add in another order, and a product's
+    # input rounds to bf16 after them, so the ranks' answer is within bf16 rounding (TOLS)
+    "bf16": small(dtype="bfloat16", seed=13),
 }
+TOLS = {"bf16": 2e-2}
 
 
 def kv_steps(spec: PaddleModel, names: dict[str, str]) -> list[Step]:
@@ -135,8 +139,9 @@ def tp2() -> Iterator[Tp2]:
 def test_tp2_matches_single_rank(name: str, tp2: Tp2) -> None:
     spec = SPECS[name]
     want = [forward(runner(spec), s) for s in steps_for(spec, seed=spec.seed)]
-    check_same(tp2[0][name][0], want)
-    check_same(tp2[0][name][1], want)  # every rank sees the gathered head's answer
+    tol = TOLS.get(name, TOL)
+    check_same(tp2[0][name][0], want, tol)
+    check_same(tp2[0][name][1], want, tol)  # every rank sees the gathered head's answer
 
 
 def kv_spec(kv_heads: int) -> PaddleModel:

@@ -69,6 +69,12 @@ def test_a_cpu_server_spreads_the_cores_and_says_so(caplog):
     assert config.model.dtype == "bfloat16" and config.model.device == "cpu"
     config, _ = build(parse_args([*model, "--threads", "1", "--workers", "1"]))
     assert (config.num_workers, config.model.num_threads) == (1, 1)
+    # --dtype auto (the default): the checkpoint's bfloat16 where this CPU has bf16 units
+    from aioprefill.hf.dtype import cpu_bf16_units
+
+    assert config.model.dtype == ("bfloat16" if cpu_bf16_units() else "float32")
+    config, _ = build(parse_args([*model, "--dtype", "float32"]))
+    assert config.model.dtype == "float32"
     done = run("--model", "sim", "--cache-isolation", "per-key")
     assert done.returncode != 0 and "needs --api-key" in done.stderr
 

@@ -21,7 +21,7 @@ pytestmark = [
 def test_prefill_answers_with_kv_transfer_params_a_decode_side_can_pull():
     from aioprefill.transfer import pull_kv, release_kv
 
-    flags = ["--model", str(HF / "llama_bf16"), "--kv-transfer", "mooncake"]
+    flags = ["--model", str(HF / "llama_bf16"), "--kv-transfer", "mooncake", "--dtype", "float32"]
     with serve(*flags) as server:
         prompt = [5, 6, 7, 8, 9]
         body = {

@@ -23,7 +23,9 @@ TOL = 2e-4  # the issue's bound against transformers fp64
 
 @pytest.fixture(scope="module")
 def server():
-    with serve("--model", str(HF / "llama_bf16"), "--served-model-name", "tiny/llama") as s:
+    with serve(
+        "--model", str(HF / "llama_bf16"), "--served-model-name", "tiny/llama", "--dtype", "float32"
+    ) as s:
         yield s
 
 

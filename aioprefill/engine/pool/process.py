@@ -1,16 +1,18 @@
 """`WorkerHandle`: the engine's side of one worker process and its two channels.
 
-Workers start under `spawn`, or for Paddle models under a `forkserver` that has already
-imported paddle (start-to-ready drops from ~0.9 s to ~0.2 s); the engine process itself never
-imports paddle and never forks after it. The channels' eventfds reach the child through
-multiprocessing's own fd passing (`reduction.DupFd`); the worker's spec travels msgspec-encoded.
-The only pickling is multiprocessing's start-up handshake, never the data path.
+Workers start under `spawn`, or for Paddle models on a CPU under a `forkserver` that has
+already imported paddle (start-to-ready drops from ~0.9 s to ~0.2 s; on a CUDA device `spawn`:
+`start_method_for`); the engine process itself never imports paddle and never forks after it.
+The channels' eventfds reach the child through multiprocessing's own fd passing
+(`reduction.DupFd`); the worker's spec travels msgspec-encoded. The only pickling is
+multiprocessing's start-up handshake, never the data path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import multiprocessing
 import os
 import signal
@@ -58,10 +60,29 @@ def _start_worker(spec_bytes: bytes, to_fds: tuple[Any, Any], from_fds: tuple[An
 
 
 def start_method_for(config: EngineConfig) -> str:
-    """`forkserver` with paddle preloaded for Paddle models, else `spawn` (overridable)."""
+    """`forkserver` with paddle preloaded for Paddle models on a CPU, else `spawn`
+    (overridable). A model that may run on a CUDA device (`device="gpu"`, or `"auto"` with
+    Paddle's CUDA build installed and an NVIDIA device present) starts with `spawn`: a process
+    forked from one that imported paddle's CUDA build inherits CUDA state it cannot use."""
     if config.start_method is not None:
         return config.start_method
-    return "forkserver" if isinstance(config.model, PaddleModel) else "spawn"
+    model = config.model
+    if not isinstance(model, PaddleModel):
+        return "spawn"
+    if model.device == "gpu" or (model.device == "auto" and _cuda_paddle()):
+        return "spawn"
+    return "forkserver"
+
+
+def _cuda_paddle() -> bool:
+    """Whether Paddle's CUDA wheel is installed and an NVIDIA device is present (no import)."""
+    if not os.path.exists("/dev/nvidiactl"):
+        return False
+    try:
+        importlib.metadata.distribution("paddlepaddle-gpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 class WorkerHandle:

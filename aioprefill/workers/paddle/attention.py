@@ -150,7 +150,20 @@ def export_layer(
     past = 0
     if past_k is not None and past_v is not None:
         past = past_k.shape[1]
-        np.copyto(writer.keys[layer, :, :past], host(past_k))
-        np.copyto(writer.values[layer, :, :past], host(past_v))
-    np.copyto(writer.keys[layer, :, past:], host(k[:, begin:end]))
-    np.copyto(writer.values[layer, :, past:], host(v[:, begin:end]))
+        _copy_kv(writer.keys[layer, :, :past], past_k)
+        _copy_kv(writer.values[layer, :, :past], past_v)
+    _copy_kv(writer.keys[layer, :, past:], k[:, begin:end])
+    _copy_kv(writer.values[layer, :, past:], v[:, begin:end])
+
+
+def _copy_kv(dst: np.ndarray, t: paddle.Tensor) -> None:
+    """One part of an export: a bfloat16 model's K/V as their bits (`wire.kv`: uint16 segments;
+    a CPU worker's float32 tensors hold bfloat16 values, whose high halves are the bits exactly;
+    a GPU's bfloat16 tensors give theirs from `.numpy()`), any other dtype's values."""
+    if dst.dtype != np.uint16:
+        np.copyto(dst, host(t))
+    elif t.dtype == paddle.bfloat16:
+        np.copyto(dst, t.numpy())
+    else:
+        bits = np.right_shift(np.ascontiguousarray(host(t), dtype=np.float32).view(np.uint32), 16)
+        np.copyto(dst, bits, casting="unsafe")

@@ -18,6 +18,16 @@ AVX-512, or with `AIOPREFILL_CPU_GEMM=mkl` (read when a worker starts: `paddle.e
 the worker keeps Paddle's own `matmul`, as it does on a GPU, for a dtype other than float32, or
 with a wheel without the library.
 
+bfloat16 (`PaddleModel.dtype="bfloat16"` on a CPU: weights bfloat16, activations float32):
+Paddle's CPU eager ops have no bfloat16 matmul, so `linear`, `project` and `product` with a
+bfloat16 weight and a float32 `x` round `x` to bfloat16 (round to nearest even, NumPy on its bits
+into a kept buffer: bitwise Paddle's cast, ~3x faster) and call oneDNN's `dnnl_gemm_bf16bf16f32`
+from the same library: bfloat16 inputs, float32 accumulation, float32 output written straight
+into the Paddle tensor (AMX where the CPU has it, avx512_bf16 otherwise). Its rows are bitwise
+batch-invariant from 2 rows (measured for SmolLM2's shapes at 1 and 2 threads while designing
+issue 35; `paddle.rows` checks it at start, the tests bitwise), so the tiles and the row floor
+hold as for sgemm. `per_head` (attention) stays float32.
+
 Batch invariance: with `tile_rows` (`deterministic=True`) `linear` and `project` multiply fixed
 tiles of that many rows, each written in place into the output (no split, no concat), so no
 product's shape depends on the batch; without it a row's result may move by float32 rounding
@@ -29,13 +39,17 @@ from __future__ import annotations
 import ctypes
 import functools
 
+import numpy as np
 import paddle
 
+from aioprefill.errors import InvalidConfig
+from aioprefill.hf.dtype import cpu_bf16_units
 from aioprefill.workers.paddle.env import cpu_gemm, onednn_library, paddle_libs
 
-__all__ = ["Products", "weights_in_out"]
+__all__ = ["Products", "cpu_bf16", "has_gemm_bf16", "weights_in_out"]
 
 _FLOAT = 4  # bytes
+_BF16 = 2
 _PROJECT_ROWS = 256  # `project`'s row blocks by default: x's block stays in cache over the heads
 
 
@@ -53,6 +67,75 @@ def _load_sgemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     fn.argtypes = [ctypes.c_char, ctypes.c_char, size, size, size, f32, ptr, size, ptr, size]
     fn.argtypes += [f32, ptr, size]
     return fn
+
+
+@functools.cache
+def _load_gemm_bf16() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """oneDNN's row-major `dnnl_gemm_bf16bf16f32` (bf16 A, B; float32 C, float32 accumulation)
+    from Paddle's wheel, or None where there is none. Arguments as `dnnl_sgemm`'s."""
+    lib = onednn_library()
+    if lib is None or not hasattr(lib, "dnnl_gemm_bf16bf16f32"):
+        return None
+    fn = lib.dnnl_gemm_bf16bf16f32
+    size, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_char, ctypes.c_char, size, size, size, f32, ptr, size, ptr, size]
+    fn.argtypes += [f32, ptr, size]
+    return fn
+
+
+def has_gemm_bf16() -> bool:
+    """Whether this wheel's oneDNN has the bf16 product a bfloat16 CPU worker needs."""
+    return _load_gemm_bf16() is not None
+
+
+def cpu_bf16(dtype: str, device: str) -> bool:
+    """Whether a worker runs bfloat16 on a CPU (bf16 weights and products, float32 elsewhere).
+    Raises `InvalidConfig` for a dtype the CPU does not run: float16, or bfloat16 where the CPU
+    has no bf16 units (avx512_bf16 or AMX: `hf.dtype.cpu_bf16_units`) or the wheel's oneDNN no
+    bf16 product (`dtype="auto"` picks float32 there instead)."""
+    if device != "cpu" or dtype == "float32":
+        return False
+    if dtype != "bfloat16":
+        raise InvalidConfig(
+            f"PaddleModel.dtype: {dtype} needs a GPU; the CPU runs float32 or bfloat16"
+        )
+    if not cpu_bf16_units():
+        raise InvalidConfig(
+            "PaddleModel.dtype: bfloat16 on this CPU needs avx512_bf16 or AMX (not in "
+            "/proc/cpuinfo's flags): use dtype='float32' or 'auto'"
+        )
+    if not has_gemm_bf16():
+        raise InvalidConfig(
+            "PaddleModel.dtype: bfloat16 on a CPU needs oneDNN's dnnl_gemm_bf16bf16f32, which "
+            "this paddle wheel does not ship: use dtype='float32' or 'auto'"
+        )
+    return True
+
+
+class _Bf16Cast:
+    """float32 tensor -> its values rounded to bfloat16 (round to nearest even), as uint16 bits
+    in a kept, grow-only buffer (one per `Products`: products run one at a time). Bitwise
+    Paddle's cast (checked in the study), 3x faster; NaNs are not expected in activations."""
+
+    def __init__(self) -> None:
+        self._u16 = np.empty(0, np.uint16)
+        self._u32 = np.empty(0, np.uint32)
+
+    def __call__(self, x: paddle.Tensor) -> int:
+        """The address of x's bf16 bits (valid until the next call)."""
+        n = int(np.prod(x.shape))
+        if self._u16.size < n:
+            self._u16, self._u32 = np.empty(n, np.uint16), np.empty(n, np.uint32)
+        u = np.from_dlpack(x).reshape(-1).view(np.uint32)
+        t, o = self._u32[:n], self._u16[:n]
+        np.right_shift(u, 16, out=t)
+        np.bitwise_and(t, 1, out=t)
+        np.add(t, 0x7FFF, out=t)
+        np.add(t, u, out=t)
+        np.right_shift(t, 16, out=t)
+        np.copyto(o, t, casting="unsafe")
+        return int(o.ctypes.data)
 
 
 def _set_openmp_threads(threads: int) -> None:
@@ -86,7 +169,10 @@ class Products:
         HF's [out, in]."""
         onednn = device == "cpu" and (gemm or cpu_gemm()) == "onednn"
         self._sgemm = _load_sgemm() if onednn else None
-        if self._sgemm is not None:
+        # bfloat16 weights on a CPU: oneDNN's bf16 product is the only one (whatever `gemm`)
+        self._bgemm = _load_gemm_bf16() if device == "cpu" else None
+        self._cast = _Bf16Cast()
+        if self._sgemm is not None or self._bgemm is not None:
             _set_openmp_threads(threads)
         self._tile = tile_rows
         self.in_out = in_out
@@ -104,7 +190,19 @@ class Products:
         return self._sgemm is not None
 
     def _fast(self, x: paddle.Tensor, w: paddle.Tensor) -> bool:
-        return self._sgemm is not None and x.dtype == paddle.float32 and w.dtype == paddle.float32
+        if x.dtype != paddle.float32:
+            return False
+        if w.dtype == paddle.bfloat16:
+            return self._bgemm is not None
+        return self._sgemm is not None and w.dtype == paddle.float32
+
+    def _gemm(self, x: paddle.Tensor, w: paddle.Tensor) -> tuple[ctypes._CFuncPtr, int, int, int]:  # type: ignore[name-defined]
+        """(gemm, x's address, x's and w's element sizes): x rounded to bf16 for a bf16 w."""
+        if w.dtype == paddle.bfloat16:
+            assert self._bgemm is not None
+            return self._bgemm, self._cast(x), _BF16, _BF16
+        assert self._sgemm is not None
+        return self._sgemm, x.data_ptr(), _FLOAT, _FLOAT
 
     def product(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
         """[rows, k] x [n, k] -> [rows, n] = x @ w.T, as one product."""
@@ -137,17 +235,17 @@ class Products:
         out = paddle.empty([heads, rows, dim], dtype=x.dtype)
         if rows == 0:
             return out
-        sgemm, xp, wp, op = self._sgemm, x.data_ptr(), w.data_ptr(), out.data_ptr()
-        assert sgemm is not None
+        sgemm, xp, xs, ws = self._gemm(x, w)
+        wp, op = w.data_ptr(), out.data_ptr()
         # One product per head writes its [block, dim] part of the output in place: the
         # heads-major layout attention reads, with no transpose. Row blocks outside, heads
         # inside: a block of x is read from cache by every head (one product per head over all
         # rows re-read x from memory 15 times: q/k/v ran at 154 GFLOP/s against 205 for o/MLP).
         for lo, m in _blocks(rows, tile):
-            a = xp + lo * k * _FLOAT
+            a = xp + lo * k * xs
             for h in range(heads):
                 c = op + (h * rows + lo) * dim * _FLOAT
-                b = wp + h * k * dim * _FLOAT
+                b = wp + h * k * dim * ws
                 _check(sgemm(b"N", b"N", m, dim, k, 1.0, a, k, b, dim, 0.0, c, dim))
         return out
 
@@ -186,12 +284,12 @@ class Products:
         out = paddle.empty([rows, n], dtype=x.dtype)
         if rows == 0:
             return out
-        sgemm, xp, wp, op = self._sgemm, x.data_ptr(), w.data_ptr(), out.data_ptr()
-        assert sgemm is not None
+        sgemm, xp, xs, _ = self._gemm(x, w)
+        wp, op = w.data_ptr(), out.data_ptr()
         tb, ldb = (b"T", k) if transposed else (b"N", n)
         for lo in range(0, rows, step):
             m = min(step, rows - lo)
-            a, c = xp + lo * k * _FLOAT, op + lo * n * _FLOAT
+            a, c = xp + lo * k * xs, op + lo * n * _FLOAT
             _check(sgemm(b"N", tb, m, n, k, 1.0, a, k, wp, ldb, 0.0, c, n))
         return out
 
@@ -224,4 +322,4 @@ def _contiguous(t: paddle.Tensor) -> paddle.Tensor:
 
 def _check(status: int) -> None:
     if status != 0:
-        raise RuntimeError(f"dnnl_sgemm failed with status {status}")
+        raise RuntimeError(f"oneDNN's gemm failed with status {status}")

@@ -50,7 +50,11 @@ Prefixes = dict[int, Cached]  # by batch index
 
 
 def host(t: paddle.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor (zero-copy through DLPack), or a host copy of a GPU one."""
+    """A NumPy view of a CPU tensor (zero-copy through DLPack), or a host copy of a GPU one; a
+    bfloat16 tensor widened to float32 first (exact: NumPy has no bfloat16, and `.numpy()` gives
+    its raw uint16 bits, which read as numbers are garbage)."""
+    if t.dtype == paddle.bfloat16:
+        t = t.astype("float32")
     if t.place.is_cpu_place():
         return np.from_dlpack(t)
     return t.numpy()

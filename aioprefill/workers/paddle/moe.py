@@ -33,6 +33,7 @@ import paddle.nn.functional as F
 
 from aioprefill.models import PaddleModel
 from aioprefill.workers.collectives import PaddleGroup
+from aioprefill.workers.paddle.head import host
 
 __all__ = ["MoE"]
 
@@ -91,18 +92,20 @@ class MoE:
             return self.apply(h, chosen, weights)
         rows, hidden = int(h.shape[0]), int(h.shape[1])
         most = int(group.all_reduce(paddle.to_tensor([rows], dtype="int64"), op="max")[0])
-        # Each row travels with its routing, as floats (expert ids < 2^24 are exact); padding
+        # Each row travels with its routing, as float32 (expert ids < 2^24 are exact; a 2-byte
+        # model's rows widen exactly and narrow back: in bfloat16 the ids would be exact only
+        # up to 256 and the weights lose 8 bits, and `.numpy()` would give raw bits); padding
         # rows (up to the group's largest batch) go to no expert.
         routing = np.zeros((most, 2 * self.top_k), dtype=np.float32)
         routing[:, : self.top_k] = -1
         routing[:rows, : self.top_k] = chosen
         routing[:rows, self.top_k :] = weights
         mine = paddle.concat([h, paddle.zeros([most - rows, hidden], dtype=h.dtype)])
-        mine = paddle.concat([mine, paddle.to_tensor(routing, dtype=h.dtype)], axis=1)
+        mine = paddle.concat([mine.astype("float32"), paddle.to_tensor(routing)], axis=1)
         every = group.all_gather(mine).reshape([group.size * most, hidden + 2 * self.top_k])
-        tail = every[:, hidden:].numpy()
+        tail = host(every[:, hidden:])
         chosen_all = tail[:, : self.top_k].astype(np.int64)
-        out = self.apply(every[:, :hidden], chosen_all, tail[:, self.top_k :])
+        out = self.apply(every[:, :hidden].astype(h.dtype), chosen_all, tail[:, self.top_k :])
         group.all_reduce(out)
         begin = group.rank * most
         return out[begin : begin + rows]

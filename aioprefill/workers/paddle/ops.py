@@ -29,7 +29,7 @@ import paddle.nn.functional as F
 
 from aioprefill.workers.paddle.softmax import onednn_softmax_available, softmax_rows_
 
-__all__ = ["Rope", "causal_softmax_", "swiglu"]
+__all__ = ["Rope", "causal_softmax_", "round_bf16_", "swiglu"]
 
 # SwiGLU runs this many rows at a time: a chunk's gate, up and scratch stay in L2 (32 x 1,536
 # floats are 192 KiB); 16 to 128 rows measured within 10% of each other (outside a forward).
@@ -130,3 +130,22 @@ def causal_softmax_(
         softmax_rows_(s)
         return scores
     return F.softmax(scores, axis=-1)
+
+
+def round_bf16_(t: paddle.Tensor) -> paddle.Tensor:
+    """A float32 tensor's values rounded to bfloat16 (round to nearest even, as Paddle's cast),
+    kept float32: on a CPU in place on its bits when it is contiguous (`t` itself is returned),
+    else a rounded copy. A bfloat16 tensor (a GPU's) is returned as it is. NaNs stay NaN."""
+    if t.dtype != paddle.float32:
+        return t
+    if not (_on_cpu(t) and t.is_contiguous()):
+        return t.astype("bfloat16").astype("float32")
+    u = np.from_dlpack(t).reshape(-1).view(np.uint32)
+    nan = np.isnan(u.view(np.float32))
+    low = (u >> 16) & 1
+    low += 0x7FFF
+    u += low
+    u &= np.uint32(0xFFFF0000)
+    if nan.any():  # a payload in the low half would have carried into the exponent
+        u[nan] = np.uint32(0x7FC00000)
+    return t

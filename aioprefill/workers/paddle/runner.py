@@ -7,7 +7,8 @@ per sequence (a block-diagonal mask over the whole batch costs O(tokens^2) on CP
 (after RoPE) wait in `self._cache` until the chunk with `is_last` (or `free()`). With a prefix
 cache, a batch's plan reads and writes block slots (`paddle.prefix`, `prefix_blocks`). The weights
 come from `paddle.weights`, laid out for this forward (q/k/v heads-major in one tensor, queries
-pre-scaled, a sign-folded RoPE sin): that module's docstring is the contract.
+pre-scaled, a sign-folded RoPE sin): that module's docstring is the contract. bfloat16 on a CPU:
+bf16 products (`paddle.gemm`), K/V rounded to bf16 after RoPE, float32 everywhere else.
 
 Batch invariance. A request's result must not depend on its batch-mates. Attention is per
 sequence and norms and element-wise ops are per row, so batching leaks in through the matrix
@@ -26,9 +27,8 @@ of `_HEAD_TILE_ROWS` rows, zero-padded (MKL treated every row position of a 64- 
 product alike, not of a 32-row one; tests check it bitwise): ~1.1x the cost on full batches,
 up to 2.3x on a lone short request (benchmarks/bench_paddle_model.py).
 
-This module is imported only in worker processes (a forkserver may preload it): it imports
-paddle, and first sets MKL's CPU dispatch on AMD processors; a CPU runner also changes how
-glibc malloc keeps freed memory (see `paddle.env`).
+Imported only in worker processes (a forkserver may preload it): it imports paddle, first setting
+MKL's CPU dispatch on AMD; a CPU runner changes how glibc keeps freed memory (`paddle.env`).
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ quiet_native_logs()
 
 import numpy as np  # noqa: E402
 
-# paddle's import warns that ccache (a compiler cache for its C++ extension builder) is missing:
-# noise for a worker that compiles nothing.
+# paddle's import warns that ccache (a C++ compiler cache) is missing: noise here.
 warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
 import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
@@ -62,10 +61,10 @@ from aioprefill.wire.kv import kv_layout  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
 from aioprefill.workers.paddle.attention import KVCache, attend, export_layer  # noqa: E402
-from aioprefill.workers.paddle.gemm import Products, weights_in_out  # noqa: E402
+from aioprefill.workers.paddle.gemm import Products, cpu_bf16, weights_in_out  # noqa: E402
 from aioprefill.workers.paddle.head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle.norm import rms_norm_for  # noqa: E402
-from aioprefill.workers.paddle.ops import Rope, swiglu  # noqa: E402
+from aioprefill.workers.paddle.ops import Rope, round_bf16_, swiglu  # noqa: E402
 from aioprefill.workers.paddle.prefix import PrefixForward, keep_tail  # noqa: E402
 from aioprefill.workers.paddle.rows import checked_products  # noqa: E402
 from aioprefill.workers.paddle.shard import Shard  # noqa: E402
@@ -83,12 +82,14 @@ _HEAD_TILE_ROWS = 16
 _ATTN_TILE = 64
 
 
-def _pick_device(spec: PaddleModel, worker_index: int) -> str:
+def _pick_device(spec: PaddleModel, worker_index: int, grouped: bool = False) -> str:
     has_cuda = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
     if spec.device == "gpu" and not has_cuda:
         raise InvalidConfig("PaddleModel.device: 'gpu' but this paddle has no CUDA device")
     if spec.device == "cpu" or not has_cuda:
         return "cpu"
+    if grouped:  # checked here, once the device is known
+        raise InvalidConfig("tensor/expert parallelism runs on CPU (gloo): use device='cpu'")
     return f"gpu:{worker_index % paddle.device.cuda.device_count()}"
 
 
@@ -118,18 +119,14 @@ class PaddleRunner:
         block_tokens: int = 16,
     ) -> None:
         self.spec = spec
-        # parallel: this rank's share of the model (all of it alone), see paddle.shard
-        self._shard = Shard(spec, group, mode)
-        self.device = _pick_device(spec, worker_index)
-        if self.device == "cpu" and spec.dtype != "float32":
-            raise InvalidConfig(
-                f"PaddleModel.dtype: {spec.dtype} needs a GPU; the CPU runs float32"
-            )
+        self._shard = Shard(spec, group, mode)  # parallel: this rank's share (paddle.shard)
+        self.device = _pick_device(spec, worker_index, group is not None)
+        self._bf16 = cpu_bf16(spec.dtype, self.device)  # InvalidConfig where the CPU cannot
         paddle.set_device(self.device)
         self._rms_norm = rms_norm_for(self.device)
         if self.device == "cpu":
             keep_freed_memory()
-            # MKL's thread count (paddle's default is 1); OMP_NUM_THREADS is read too early.
+            # MKL's thread count (paddle's default is 1; OMP_NUM_THREADS is read too early)
             paddle.base.core.set_num_threads(spec.num_threads)
         elif spec.dtype == "float32":
             # float32 means float32: no TF32 tensor-core products (10-bit mantissas).
@@ -137,8 +134,8 @@ class PaddleRunner:
                 paddle.set_flags({"FLAGS_allow_tf32_cublas": False})
         with paddle.no_grad():
             in_out = weights_in_out(self.device, spec.dtype)  # linear weights' layout
-            weights = load_to_device(spec, self._shard, in_out=in_out)  # (this rank's slices)
-            self._cos, self._sin = rope_tables(spec, spec.max_position_embeddings)
+            weights = load_to_device(spec, self._shard, in_out=in_out, bf16=self._bf16)
+            self._cos, self._sin = rope_tables(spec, spec.max_position_embeddings, self._bf16)
         self._embed, self._layers = weights.embed, weights.layers
         self._cache: dict[int, KVCache] = {}
         self._deterministic = spec.deterministic
@@ -169,9 +166,11 @@ class PaddleRunner:
             "hidden_size": spec.hidden_size,
             "block_tokens": block_tokens,
         }
-        self.block_bytes = BlockStore.block_bytes(**shape)
+        self.block_bytes = BlockStore.block_bytes(**shape, kv_dtype=spec.dtype)  # bf16: bits
         self.cache_blocks = max(0, prefix_cache_bytes) // self.block_bytes
-        self._store = BlockStore(self.cache_blocks, **shape) if self.cache_blocks else None
+        self._store: BlockStore | None = None
+        if self.cache_blocks:
+            self._store = BlockStore(self.cache_blocks, **shape, kv_dtype=spec.dtype)
         self.cache_slots = self._store  # what the KV store tier loads into (workers.store_hook)
         self._exports = KVWriters()  # KV exports the running forward writes
 
@@ -271,6 +270,7 @@ class PaddleRunner:
         ids = np.zeros(rows, dtype=np.int64)
         ids[:total] = batch.tokens
         x = F.embedding(paddle.to_tensor(ids), self._embed)
+        x = x.astype("float32") if self._bf16 else x  # bf16 rows widened (exact)
         starts = batch.start_pos.tolist()
         rope = Rope(self._cos, self._sin, positions)  # this batch's rows of the tables
         qk_heads = heads + kv_heads
@@ -309,6 +309,8 @@ class PaddleRunner:
             qk = rope(qk)  # in place on a CPU
             q = qk[:heads].reshape([kv_heads, heads // kv_heads, rows, dim])
             k, v = qk[heads:], qkv[qk_heads:]
+            if self._bf16:  # K/V as a bf16 cache holds them: a hit reads what a miss attended to
+                k, v = round_bf16_(k), round_bf16_(v)
             outs = []
             for i, ((a, b), cache, last) in enumerate(zip(bounds, caches, is_last, strict=True)):
                 if prefix is not None:  # cached K/V in, completed blocks out, in batch order

@@ -18,6 +18,10 @@ The layout is the contract with the forward (`paddle.runner`), which relies on i
   layout and are multiplied with `transpose_y`; with experts, `moe` holds a `paddle.moe.MoE`
   instead of `gate_up` / `down`.
 - The RoPE tables are cos and a sign-folded sin, so rotating is `x*cos + roll(x)*sin`.
+- bfloat16 on a CPU (`paddle.gemm.cpu_bf16`): the products' weights (qkv, o, gate_up, down,
+  the embedding and the LM head) are bfloat16, in HF's `[out, in]` layout, for `paddle.gemm`'s
+  bf16 product; everything else (norms, biases, RoPE tables, MoE experts and router) float32,
+  the forward's compute dtype there (Paddle's CPU ops have no bfloat16 kernels).
 
 Only worker processes and model-level tests import this module (it imports paddle).
 """
@@ -65,12 +69,19 @@ class Layer:
         "qkv_bias",
     )
 
-    def __init__(self, w: dict[str, np.ndarray], spec: PaddleModel, *, in_out: bool) -> None:
+    def __init__(
+        self, w: dict[str, np.ndarray], spec: PaddleModel, *, in_out: bool, bf16: bool = False
+    ) -> None:
+        dtype = "float32" if bf16 else spec.dtype  # `bf16`: bfloat16 products on a CPU
+
         def t(a: np.ndarray) -> paddle.Tensor:
-            return paddle.to_tensor(np.ascontiguousarray(a), dtype=spec.dtype)
+            return paddle.to_tensor(np.ascontiguousarray(a), dtype=dtype)
+
+        def wt(a: np.ndarray) -> paddle.Tensor:  # a product's weight
+            return t(a).astype("bfloat16") if bf16 else t(a)
 
         def linear(a: np.ndarray) -> paddle.Tensor:  # HF's [out, in], or [in, out] (in_out)
-            return t(a.T if in_out else a)
+            return wt(a.T if in_out else a)
 
         dim = spec.head_dim
         # Queries are scaled by head_dim^-0.5 for the scores. Without q/k norms the scale is
@@ -79,7 +90,7 @@ class Layer:
         scale = 1.0 if spec.qk_norm else dim**-0.5
         qk = np.concatenate([_heads_major(w["q"] * scale, dim), _heads_major(w["k"], dim)])
         # One product gives [q k | v], each part a contiguous leading slice (no copies).
-        self.qkv = t(np.concatenate([qk, _heads_major(w["v"], dim)]))
+        self.qkv = wt(np.concatenate([qk, _heads_major(w["v"], dim)]))
         self.qkv_bias: paddle.Tensor | None = None
         if spec.attention_bias:
             # [heads + 2 * kv_heads, 1, dim]: spread over the rows of the qkv product.
@@ -110,9 +121,12 @@ class DeviceWeights(NamedTuple):
     lm_head: paddle.Tensor  # [vocab (this rank's slice under TP), hidden]; tied: embed's rows
 
 
-def load_to_device(spec: PaddleModel, shard: Shard, *, in_out: bool = False) -> DeviceWeights:
+def load_to_device(
+    spec: PaddleModel, shard: Shard, *, in_out: bool = False, bf16: bool = False
+) -> DeviceWeights:
     """Move the weights onto the current device as they stream in, layer by layer; only the
-    parts and slices `shard` keeps; the linear layers' weights [in, out] with `in_out`. Call
+    parts and slices `shard` keeps; the linear layers' weights [in, out] with `in_out`; with
+    `bf16` (a bfloat16 CPU worker) the products' weights bfloat16, the rest float32. Call
     under `paddle.no_grad()`."""
     parts = tuple(p for p in layer_parts(spec) if shard.wants(p))
     pending: dict[int, dict[str, np.ndarray]] = {}
@@ -123,12 +137,14 @@ def load_to_device(spec: PaddleModel, shard: Shard, *, in_out: bool = False) -> 
             continue
         array = shard.take(part, array)
         if layer is None:
-            top[part] = paddle.to_tensor(array, dtype=spec.dtype)
+            top[part] = paddle.to_tensor(array, dtype="float32" if bf16 else spec.dtype)
+            if bf16 and part != "norm":  # embed, lm_head: bf16 rows (the head's product)
+                top[part] = top[part].astype("bfloat16")
             continue
         have = pending.setdefault(layer, {})
         have[part] = array
         if len(have) == len(parts):
-            layers[layer] = Layer(pending.pop(layer), spec, in_out=in_out)
+            layers[layer] = Layer(pending.pop(layer), spec, in_out=in_out, bf16=bf16)
     embed = top["embed"]
     lm_head = top["lm_head"] if "lm_head" in top else shard.vocab_rows(embed)
     norm = top["norm"]
@@ -138,13 +154,16 @@ def load_to_device(spec: PaddleModel, shard: Shard, *, in_out: bool = False) -> 
     return DeviceWeights(embed, done, norm, lm_head)
 
 
-def rope_tables(spec: PaddleModel, positions: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """cos and sign-folded sin, [positions, head_dim], in the model's dtype (as HF casts them),
+def rope_tables(
+    spec: PaddleModel, positions: int, bf16: bool = False
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """cos and sign-folded sin, [positions, head_dim], in the model's dtype (as HF casts them;
+    float32 for a bfloat16 CPU worker, `bf16`),
     for HF's rotate_half convention: x*cos + rotate_half(x)*sin = x*cos + roll(x)*[-sin, sin],
     where roll swaps the two halves of the last axis."""
     inv_freq = rope_inv_freq(spec)
     angles = np.outer(np.arange(positions, dtype=np.float64), inv_freq)
     cos = np.cos(np.concatenate([angles, angles], axis=1))
     sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=1)
-    dtype = spec.dtype
+    dtype = "float32" if bf16 else spec.dtype
     return paddle.to_tensor(cos, dtype=dtype), paddle.to_tensor(sin, dtype=dtype)

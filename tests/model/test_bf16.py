@@ -1,0 +1,262 @@
+"""bfloat16 on the CPU (`PaddleModel.dtype="bfloat16"`): bf16 weights and products (oneDNN's
+`dnnl_gemm_bf16bf16f32`, float32 accumulation), K/V rounded to bf16 after RoPE, everything else
+float32. Its answers against the float32 model's, batch invariance (bitwise with
+deterministic=True), the output options, the `host()` widening, the KV export's bits, the slots'
+sizes, and the dtype policy (`auto`, refusals). The prefix-cache hit == miss checks run in
+tests/model/test_prefix_cache.py's bf16 modes."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import paddle
+import pytest
+
+from aioprefill.errors import InvalidConfig
+from aioprefill.hf import dtype as hf_dtype
+from aioprefill.wire import protocol
+from aioprefill.workers.paddle import gemm
+from aioprefill.workers.paddle.attention import _copy_kv
+from aioprefill.workers.paddle.head import host
+from aioprefill.workers.paddle.ops import round_bf16_
+from aioprefill.workers.paddle.runner import PaddleRunner
+from aioprefill.workers.prefix_blocks import BlockStore
+from tests.model.batches import make_batch, prompts, small
+from tests.model.prefix import ALL, LAST, with_options
+
+# Where the CPU has no bf16 units the worker refuses bfloat16 (test_cpu_dtype_policy, which
+# runs everywhere); the tests that compute in bf16 need them.
+needs_bf16 = pytest.mark.skipif(
+    not (hf_dtype.cpu_bf16_units() and gemm.has_gemm_bf16()),
+    reason="this CPU has no avx512_bf16 / AMX, or this paddle wheel no dnnl_gemm_bf16bf16f32",
+)
+PLP_TOP = protocol.OPT_PROMPT_LOGPROBS | protocol.OPT_PROMPT_TOP_K
+
+
+@functools.cache
+def runner(dtype: str, deterministic: bool = False) -> PaddleRunner:
+    return PaddleRunner(small(dtype=dtype, deterministic=deterministic, seed=5))
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """Round to nearest even, in float64 arithmetic on the values (an independent check)."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _widen(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@needs_bf16
+def test_bf16_products_are_float32_sums_of_bf16_inputs() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((37, 96)).astype(np.float32)
+    w = rng.standard_normal((80, 96)).astype(np.float32)
+    xr, wr = _widen(_bf16_bits(x)).astype(np.float64), _widen(_bf16_bits(w)).astype(np.float64)
+    want = xr @ wr.T
+    wb = paddle.to_tensor(w).astype("bfloat16")
+    for tile in (None, 16):
+        mm = gemm.Products("cpu", 1, tile, in_out=False)
+        xt = paddle.to_tensor(np.concatenate([x, np.zeros((11, 96), np.float32)]) if tile else x)
+        got = np.from_dlpack(mm.linear(xt, wb))[:37]
+        assert got.dtype == np.float32
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        assert np.array_equal(np.from_dlpack(mm.product(paddle.to_tensor(x), wb)), got)
+    heads = paddle.to_tensor(w.reshape(2, 40, 96).transpose(0, 2, 1).copy()).astype("bfloat16")
+    proj = np.from_dlpack(gemm.Products("cpu", 1, None).project(paddle.to_tensor(x), heads))
+    assert np.abs(proj - want.reshape(37, 2, 40).transpose(1, 0, 2)).max() <= 1e-4
+
+
+def test_round_bf16_matches_paddles_cast_and_keeps_nans() -> None:
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((3, 50, 16)) * 10.0 ** rng.integers(-20, 20, (3, 50, 16))
+    t = paddle.to_tensor(a.astype(np.float32))
+    want = t.astype("bfloat16").astype("float32").numpy()
+    assert round_bf16_(t) is t
+    assert np.array_equal(np.from_dlpack(t), want)
+    n = paddle.to_tensor(np.array([np.nan, 1.0, -np.inf], np.float32))
+    assert np.isnan(np.from_dlpack(round_bf16_(n))[0])
+
+
+def test_host_widens_bfloat16() -> None:
+    t = paddle.to_tensor(np.array([1.0, 2.5, -3.0], np.float32)).astype("bfloat16")
+    got = host(t)
+    assert got.dtype == np.float32 and got.tolist() == [1.0, 2.5, -3.0]
+
+
+@needs_bf16
+def test_kv_export_copies_bf16_bits() -> None:
+    vals = _widen(_bf16_bits(np.random.default_rng(2).standard_normal((2, 5, 4))))
+    dst = np.zeros((2, 5, 4), np.uint16)
+    _copy_kv(dst, paddle.to_tensor(vals))  # a CPU worker: float32 holding bf16 values
+    assert np.array_equal(_widen(dst), vals)
+    dst2 = np.zeros_like(dst)
+    _copy_kv(dst2, paddle.to_tensor(vals).astype("bfloat16"))  # a GPU's bf16 tensor
+    assert np.array_equal(dst2, dst)
+
+
+def test_slots_hold_bf16_bits() -> None:
+    dims = {"num_layers": 30, "kv_heads": 3, "head_dim": 64, "hidden_size": 576}
+    f32 = BlockStore.block_bytes(**dims, block_tokens=16)
+    bf16 = BlockStore.block_bytes(**dims, block_tokens=16, kv_dtype="bfloat16")
+    assert (f32, bf16) == (776_834, 408_194)  # SmolLM2: 1.90x the tokens per byte
+    store = BlockStore(2, **dims, block_tokens=16, kv_dtype="bfloat16")
+    assert store.keys.dtype == np.uint16
+    assert sum(a.nbytes for a in store.slot_arrays(0)) == bf16
+    assert store.layout() != BlockStore(2, **dims, block_tokens=16).layout()
+    vals = _widen(_bf16_bits(np.random.default_rng(3).standard_normal((3, 32, 64))))
+    store.write_kv(4, np.array([1, 0]), vals, -vals)
+    k, v = store.read_kv(4, np.array([1, 0]))
+    assert np.array_equal(k, vals) and np.array_equal(v, -vals)
+
+
+@needs_bf16
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_bf16_answers_near_float32_and_batch_invariant(deterministic: bool) -> None:
+    r, f = runner("bfloat16", deterministic), runner("float32")
+    ps = prompts(np.random.default_rng(4), [5, 40, 100, 17], 512)
+    opts = [ALL, LAST, PLP_TOP, ALL]
+    batch = with_options(make_batch(ps), opts, [3] * 4)
+    got, want = r.forward(batch), f.forward(batch)
+    for name in ("logprobs", "prompt_logprobs", "embeddings"):  # as the float32 model's
+        assert getattr(got, name).dtype == getattr(want, name).dtype
+    assert np.array_equal(got.tokens, want.tokens)
+    assert np.abs(got.logprobs - want.logprobs).max() < 0.02
+    assert np.abs(got.prompt_logprobs - want.prompt_logprobs).max() < 0.05
+    assert np.abs(got.embeddings - want.embeddings).max() < 0.02  # mean and last, normalized
+    rows = {0: 0, 1: 1, 3: 2}  # the requests with an embedding: its row
+    for i, p in enumerate(ps):  # each alone: bitwise its batched answer (rows invariant)
+        alone = r.forward(with_options(make_batch([p]), [opts[i]], [3]))
+        assert alone.tokens[0] == got.tokens[i] and alone.logprobs[0] == got.logprobs[i]
+        if i in rows:
+            assert np.array_equal(alone.embeddings[0], got.embeddings[rows[i]])
+
+
+@needs_bf16
+def test_chunks_equal_the_whole_prompt_bitwise() -> None:
+    r = runner("bfloat16", True)
+    p = prompts(np.random.default_rng(6), [130], 512)[0]
+    whole = r.forward(with_options(make_batch([p], ids=[1]), [PLP_TOP], [3]))
+    plps = []
+    for a, b in ((0, 1), (1, 64), (64, 130)):
+        out = r.forward(with_options(make_batch([p[a:b]], [2], [a], [b == 130]), [PLP_TOP], [3]))
+        plps.append(out.prompt_logprobs)
+    assert np.array_equal(np.concatenate(plps), whole.prompt_logprobs)
+    assert out.tokens[0] == whole.tokens[0] and out.logprobs[0] == whole.logprobs[0]
+
+
+def test_cpu_dtype_policy(monkeypatch) -> None:
+    assert gemm.cpu_bf16("float32", "cpu") is False
+    assert gemm.cpu_bf16("bfloat16", "gpu:0") is False
+    monkeypatch.setattr(gemm, "cpu_bf16_units", lambda: True)
+    monkeypatch.setattr(hf_dtype, "cpu_bf16_units", lambda: True)
+    assert gemm.cpu_bf16("bfloat16", "cpu") is gemm.has_gemm_bf16() or pytest.fail("no gemm")
+    with pytest.raises(InvalidConfig, match="float16 needs a GPU"):
+        gemm.cpu_bf16("float16", "cpu")
+    assert hf_dtype.resolve_dtype("auto", "bfloat16", "cpu") == "bfloat16"
+    assert hf_dtype.resolve_dtype("auto", "float16", "cpu") == "float32"
+    assert hf_dtype.resolve_dtype("auto", "float16", "gpu") == "float16"
+    assert hf_dtype.resolve_dtype("float32", "bfloat16", "cpu") == "float32"
+    monkeypatch.setattr(gemm, "cpu_bf16_units", lambda: False)
+    monkeypatch.setattr(hf_dtype, "cpu_bf16_units", lambda: False)
+    with pytest.raises(InvalidConfig, match="avx512_bf16 or AMX"):
+        gemm.cpu_bf16("bfloat16", "cpu")
+    assert hf_dtype.resolve_dtype("auto", "bfloat16", "cpu") == "float32"
+    assert hf_dtype.checkpoint_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"
+    assert hf_dtype.checkpoint_dtype({"dtype": "torch.float16"}) == "float16"
+    assert hf_dtype.checkpoint_dtype({}) == "float32"
+
+
+def test_from_pretrained_takes_the_checkpoints_dtype_where_the_cpu_computes_it() -> None:
+    from pathlib import Path
+
+    from aioprefill.config import PaddleModel
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    bf16 = "bfloat16" if hf_dtype.cpu_bf16_units() else "float32"
+    assert PaddleModel.from_pretrained(data / "hf" / "llama_bf16").dtype == bf16
+    assert PaddleModel.from_pretrained(data / "hf" / "llama3_rope").dtype == "float32"
+    exact = PaddleModel.from_pretrained(data / "hf" / "llama_bf16", dtype="float32")
+    assert exact.dtype == "float32"
+    assert PaddleModel.from_pretrained(data / "hf" / "llama_bf16", device="gpu").dtype == "bfloat16"
+
+
+def test_workers_on_a_cuda_device_start_with_spawn(monkeypatch) -> None:
+    from aioprefill.config import EngineConfig, PaddleModel
+    from aioprefill.engine.pool import process
+
+    def method(device: str) -> str:
+        return process.start_method_for(EngineConfig(model=PaddleModel(device=device)))
+
+    assert method("cpu") == "forkserver" and method("gpu") == "spawn"
+    monkeypatch.setattr(process, "_cuda_paddle", lambda: True)
+    assert method("auto") == "spawn"
+    monkeypatch.setattr(process, "_cuda_paddle", lambda: False)
+    assert method("auto") == "forkserver"
+
+
+def test_parallel_groups_check_the_device_once_it_is_picked(monkeypatch) -> None:
+    """A CPU model on a CUDA build may form a group (paddle's default device there is a GPU,
+    which the group no longer reads); a GPU one is refused once its device is known."""
+    from aioprefill.config import PaddleModel
+    from aioprefill.workers.paddle import runner as paddle_runner
+
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 2)
+    pick = paddle_runner._pick_device
+    assert pick(PaddleModel(device="cpu"), 0, True) == "cpu"
+    assert pick(PaddleModel(device="auto"), 1, False) == "gpu:1"
+    with pytest.raises(InvalidConfig, match="tensor/expert parallelism runs on CPU"):
+        pick(PaddleModel(device="auto"), 0, True)
+
+
+def test_a_quantized_gguf_stays_float32_under_auto() -> None:
+    from aioprefill.config import PaddleModel
+    from tests.hf.smollm2 import gguf_path
+
+    assert PaddleModel.from_pretrained(gguf_path()).dtype == "float32"  # Q4_1 / Q8_0
+    assert PaddleModel.from_pretrained(gguf_path(), dtype="bfloat16").dtype == "bfloat16"
+
+
+@needs_bf16
+def test_moe_in_bf16_keeps_its_experts_float32() -> None:
+    """A mixture of experts in bfloat16: attention and the head in bf16, the experts float32."""
+    ps = prompts(np.random.default_rng(0), [5, 40], 512)
+    spec = small(num_experts=4, num_experts_per_tok=2, seed=11)
+    want = PaddleRunner(spec).forward(make_batch(ps))
+    got = PaddleRunner(small(**{**_fields(spec), "dtype": "bfloat16"})).forward(make_batch(ps))
+    assert np.abs(got.logprobs - want.logprobs).max() < 0.01
+
+
+def _fields(spec) -> dict:
+    return {f: getattr(spec, f) for f in spec.__struct_fields__}
+
+
+@needs_bf16
+@pytest.mark.asyncio
+async def test_a_bf16_checkpoint_through_the_engine_with_its_prefix_cache() -> None:
+    """tests/data/hf/llama_bf16 (bf16 weights: exact in bf16) under dtype auto, in a real worker
+    process, prompts chunked beside each other: near transformers' float64 golden, and a second
+    pass (alone, prefix-cache hits) bitwise the first with deterministic=True."""
+    import asyncio
+    from pathlib import Path
+
+    from aioprefill import Engine
+    from aioprefill.config import EngineConfig, PaddleModel
+    from tests.hf.goldens import expected
+
+    path = Path(__file__).parents[1] / "data/hf/llama_bf16"
+    model = PaddleModel.from_pretrained(path, deterministic=True)
+    assert model.dtype == "bfloat16"
+    exp = expected("llama_bf16")
+    config = EngineConfig(model=model, max_batch_tokens=64, prefix_cache_bytes=8 << 20)
+    async with Engine(config) as engine:
+        first = await asyncio.gather(*(engine.prefill(p) for p in exp["prompts"]))
+        again = [await engine.prefill(p) for p in exp["prompts"]]
+    assert any(r.num_chunks > 1 for r in first) and any(r.cached_tokens for r in again)
+    for got, hit, token, logprob in zip(first, again, exp["tokens"], exp["logprobs"], strict=True):
+        assert abs(got.logprob - logprob) < 0.05
+        assert (hit.token, hit.logprob) == (got.token, got.logprob)
+        assert got.token == token
