@@ -77,7 +77,8 @@ def spec_from_pretrained(
     if fields["architecture"] in ENCODERS:  # its pooling, Normalize, max_seq_length
         fields.update(sentence_transformers_fields(directory))
         # encoders compute in float32 only: `auto` means float32 whatever the checkpoint holds
-        overrides = {**overrides, "dtype": overrides.get("dtype", "float32")}
+        if overrides.get("dtype", "auto") == "auto":
+            overrides = {**overrides, "dtype": "float32"}
     else:
         overrides = _with_dtype(overrides, checkpoint_dtype(config), str(directory))
     _check_overrides(cls, overrides)
