@@ -219,9 +219,11 @@ class VllmPD:
 
     async def _message(self, who: bytes, payload: bytes) -> None:
         reqs: list[str] = []
+        tids: list[str] = []
         try:
             meta = messages.decode_metadata(payload)
             reqs = list(meta.req_blocks)
+            tids = [tid for tid, _ in meta.req_blocks.values()]
             regions = None
             if any(groups for _, groups in meta.req_blocks.values()):
                 regions = geometry.check_metadata(meta, self.shape, self.settings)
@@ -234,6 +236,8 @@ class VllmPD:
             self.counts["refused"] += 1
             log.error("vllm-mooncake: refused a decode's message for %s: %s", reqs, exc)
             await self._reply(who, ERROR, reqs, str(exc))
+            for tid in tids:  # its decode request fails: nothing will ask for these again
+                self._finish(tid, f"refused: {exc}")
             return
         failed = [(d_req, err) for d_req, err in zip(reqs, results, strict=True) if err]
         if not failed:
