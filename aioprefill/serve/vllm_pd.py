@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from aioprefill.errors import InvalidRequest
+from aioprefill.errors import InvalidConfig, InvalidRequest
+from aioprefill.optional import import_optional
 from aioprefill.serve.vllm_bootstrap import BootstrapServer
 from aioprefill.transfer.backend import address_of, new_engine
 from aioprefill.transfer.vllm import geometry, messages, pages
@@ -56,6 +57,17 @@ class VllmPDOptions:
     block_size: int | None = None
     timeout_s: float = 120.0
     write_threads: int = 4
+
+    def __post_init__(self) -> None:
+        for name, wrong in (
+            ("host", not self.host or ":" in self.host),
+            ("bootstrap_port", not 0 < self.bootstrap_port < 65536),
+            ("timeout_s", not self.timeout_s > 0),
+            ("write_threads", self.write_threads < 1),
+        ):
+            if wrong:
+                raise InvalidConfig(f"vllm-mooncake {name}: {getattr(self, name)!r}")
+        geometry.Settings(self.layout, self.dtype, self.block_size)  # InvalidRequest if wrong
 
 
 @dataclass(slots=True, eq=False)
@@ -100,8 +112,8 @@ class VllmPD:
         return {"engine_id": self.engine_id, "open": len(self._open), **self.counts, **seconds}
 
     async def start(self) -> None:
-        import zmq
-        import zmq.asyncio
+        zmq = import_optional("zmq", "vllm-pd")
+        import_optional("zmq.asyncio", "vllm-pd")
 
         o = self.options
         loop = asyncio.get_running_loop()
@@ -212,13 +224,6 @@ class VllmPD:
                 continue
             self._spawn(self._message(frames[0], frames[1]))
 
-    async def _reply(self, who: bytes, status: int, reqs: list[str], msg: str | None) -> None:
-        ok = reqs if status != ERROR else None
-        err = reqs if status == ERROR else None
-        answer = XferResponse(status, ok_reqs=ok, err_reqs=err, err_msg=msg)
-        with contextlib.suppress(Exception):
-            await self._sock.send_multipart([who, messages.encode(answer)])
-
     async def _message(self, who: bytes, payload: bytes) -> None:
         reqs: list[str] = []
         tids: list[str] = []
@@ -241,17 +246,21 @@ class VllmPD:
             for tid in tids:  # its decode request fails: nothing will ask for these again
                 self._finish(tid, f"refused: {exc}")
             return
-        failed = [(d_req, err) for d_req, err in zip(reqs, results, strict=True) if err]
-        if not failed:
-            await self._reply(who, FINISH, reqs, None)
-            return
+        failed = [(d, err) for d, err in zip(reqs, results, strict=True) if err]
         for d_req, err in failed:
             log.error("vllm-mooncake: request %s failed: %s", d_req, err)
         ok = [d for d, err in zip(reqs, results, strict=True) if not err]
-        msg = "; ".join(err for _, err in failed)
-        bad = [d for d, _ in failed]
-        answer = XferResponse(ERROR if not ok else FINISH, ok or None, bad, msg)
-        with contextlib.suppress(Exception):
+        status = ERROR if failed and not ok else FINISH  # vLLM's: FINISH with err_reqs if some
+        msg = "; ".join(err for _, err in failed) or None
+        answer = XferResponse(status, ok or None, [d for d, _ in failed] or None, msg)
+        await self._send(who, answer)
+
+    async def _reply(self, who: bytes, status: int, reqs: list[str], msg: str | None) -> None:
+        ok, err = (None, reqs) if status == ERROR else (reqs, None)
+        await self._send(who, XferResponse(status, ok_reqs=ok, err_reqs=err, err_msg=msg))
+
+    async def _send(self, who: bytes, answer: XferResponse) -> None:
+        with contextlib.suppress(Exception):  # a peer gone: nothing to tell
             await self._sock.send_multipart([who, messages.encode(answer)])
 
     async def _request(

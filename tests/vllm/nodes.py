@@ -73,7 +73,7 @@ class Node:
 
 
 def vllm_node(
-    python: Path, model: Path, port: int, *, core: int, dtype: str = "float32",
+    python: Path, model: Path, port: int, *, core: int | str, dtype: str = "float32",
     consumer: bool = True, abort_timeout_s: int = 10, extra: tuple[str, ...] = (),
 ) -> Node:  # fmt: skip
     env = dict(
