@@ -21,7 +21,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import mmap
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -31,9 +30,10 @@ from typing import Any
 from aioprefill.errors import InvalidConfig, InvalidRequest
 from aioprefill.optional import import_optional
 from aioprefill.serve.vllm_bootstrap import BootstrapServer
-from aioprefill.transfer.backend import address_of, new_engine
+from aioprefill.transfer.backend import new_engine
 from aioprefill.transfer.vllm import geometry, messages, pages
 from aioprefill.transfer.vllm.messages import ERROR, FINISH, XferResponse
+from aioprefill.transfer.vllm.staging import Staging
 
 __all__ = ["VllmPD", "VllmPDOptions"]
 
@@ -109,7 +109,9 @@ class VllmPD:
 
     def stats(self) -> dict[str, Any]:
         seconds = {f"{k}_s": round(v, 6) for k, v in self.seconds.items()}
-        return {"engine_id": self.engine_id, "open": len(self._open), **self.counts, **seconds}
+        staging = self._staging.mapped if self._te is not None else 0
+        return {"engine_id": self.engine_id, "open": len(self._open), "staging_buffers": staging,
+                **self.counts, **seconds}  # fmt: skip
 
     async def start(self) -> None:
         zmq = import_optional("zmq", "vllm-pd")
@@ -120,6 +122,7 @@ class VllmPD:
         self._te, self.session = await loop.run_in_executor(
             self._pool, new_engine, o.host, o.protocol
         )
+        self._staging = Staging(self._te)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -147,6 +150,8 @@ class VllmPD:
             self._sock.close(0)
             self._ctx.term()
         self._pool.shutdown(wait=True)
+        if self._te is not None:
+            self._staging.close()
         self._te = None
 
     # ---- the prefill request's side ------------------------------------------------------
@@ -320,7 +325,7 @@ class VllmPD:
         """On a thread: pack the pages into a fresh registered staging buffer, write them
         with one batch_transfer_sync_write, unregister; (seconds packing, seconds writing)."""
         started = time.perf_counter()
-        staging = mmap.mmap(-1, plan.nbytes)
+        buf = self._staging.take(plan.nbytes)
         try:
             pages.pack(
                 *kv,
@@ -329,22 +334,14 @@ class VllmPD:
                 first_head=regions.first_head,
                 first_block=plan.first_block,
                 num_blocks=plan.num_blocks,
-                out=staging,
+                out=memoryview(buf.mm)[: plan.nbytes],
             )
             packed = time.perf_counter()
-            addr = address_of(staging)
-            if self._te.register_memory(addr, plan.nbytes) != 0:
-                raise RuntimeError("registering the staging buffer failed")
-            try:
-                src = [addr + s for s in plan.src_offsets]
-                rc = self._te.batch_transfer_sync_write(
-                    regions.session, src, plan.dst, plan.lengths
-                )
-            finally:
-                self._te.unregister_memory(addr)
+            src = [buf.addr + s for s in plan.src_offsets]
+            rc = self._te.batch_transfer_sync_write(regions.session, src, plan.dst, plan.lengths)
             if rc != 0:
                 raise RuntimeError(f"batch_transfer_sync_write to {regions.session}: {rc}")
         finally:
-            staging.close()
+            self._staging.give(buf)
         done = time.perf_counter()
         return packed - started, done - packed

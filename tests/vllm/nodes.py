@@ -56,10 +56,11 @@ class Node:
         raise AssertionError(f"{self.what} not ready in {timeout:.0f} s:\n{self.output()}")
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM to its process group (vLLM's engine core is a child), then SIGKILL."""
+        """SIGTERM to the process (it stops its children), then SIGKILL to what is left of
+        its process group (vLLM's engine core, aioprefill's workers)."""
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.send_signal(signal.SIGTERM)
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
