@@ -82,14 +82,15 @@ def test_eight_prompts_continue_as_vllm_alone(pd):
         answer, want = r.json(), goldens[p["name"]]
         assert answer["usage"]["prompt_tokens"] == want["prompt_tokens"], p["name"]
         got = nodes.greedy(answer)
-        report.append((p["name"], want["prompt_tokens"], nodes.agree(got, want["tokens"])))
+        agreed = nodes.agree(got, want["tokens"])  # 16, or fewer where vLLM stopped at EOS
+        report.append((p["name"], want["prompt_tokens"], agreed, len(want["tokens"])))
         total += want["prompt_tokens"]
-    assert all(n == 16 for _, _, n in report), report
+    assert all(n == len_want for _, _, n, len_want in report), report
     after = nodes.prompt_sources(pd["decode"].url)
     external = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
     local = after.get("local_compute", 0) - before.get("local_compute", 0)
     assert external == total and local <= len(report), (external, local, total)
-    assert min(n for _, n, _ in report) >= 20 and max(n for _, n, _ in report) <= 2000
+    assert min(r[1] for r in report) >= 20 and max(r[1] for r in report) <= 2000
     wait_for(lambda: pd_info(pd["prefill"])["open"] == 0, 30)
 
 
