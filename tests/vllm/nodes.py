@@ -67,9 +67,12 @@ class Node:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of the group
         self.proc.wait()
+        if not os.environ.get("AIOPREFILL_KEEP_LOGS"):
+            self.log.unlink(missing_ok=True)
 
     def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
 
