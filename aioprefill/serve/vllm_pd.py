@@ -174,8 +174,9 @@ class VllmPD:
             t.ready.set_result(None)
 
     def fail(self, tid: str, reason: str) -> None:
-        """The prefill request for `tid` failed: a decode waiting for it is answered now."""
-        t = self._open.get(tid)
+        """The prefill request for `tid` failed: its decode is answered ERROR now, or when
+        it asks."""
+        t = self._open.get(tid) or (None if tid in self._closed else self._opened(tid))
         if t is not None and t.export is None:
             self._finish(tid, f"the prefill request failed: {reason}")
 
