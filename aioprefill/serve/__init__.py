@@ -20,4 +20,6 @@
 | `errors.py` | aioprefill's errors as HTTP statuses and OpenAI error objects |
 | `fronts.py` | running the app under uvicorn or granian (ASGI or RSGI) |
 | `rsgi.py` | the app under granian's RSGI interface |
+| `vllm_pd.py` | `--kv-transfer vllm-mooncake`: a stock vLLM decode node's MooncakeConnector peer |
+| `vllm_bootstrap.py` | that connector's bootstrap HTTP server (`GET /query`) |
 """

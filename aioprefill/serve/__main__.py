@@ -76,9 +76,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument(
         "--kv-transfer",
-        choices=["mooncake"],
+        choices=["mooncake", "vllm-mooncake"],
         default=None,
-        help="serve KV exports to decode nodes (vllm-router's PD mode)",
+        help="serve KV exports to decode nodes (vllm-router's PD mode); vllm-mooncake: "
+        "write them into stock vLLM decode nodes (their MooncakeConnector, docs/serving.md)",
+    )
+    g.add_argument("--vllm-bootstrap-port", type=int, default=8998, help="vllm-mooncake")
+    g.add_argument(
+        "--vllm-host", default=None, help="vllm-mooncake: the address decode nodes reach"
+    )
+    g.add_argument("--vllm-kv-layout", choices=["cpu", "gpu"], default="cpu")
+    g.add_argument(
+        "--vllm-kv-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the decode's cache dtype (auto: from its page size)",
+    )
+    g.add_argument("--vllm-block-size", type=int, default=None, help="the decode's")
+    g.add_argument(
+        "--vllm-transfer-timeout", type=float, default=120.0, help="seconds a transfer waits"
     )
     g.add_argument(
         "--kv-transfer-host",
@@ -264,10 +280,26 @@ def build(args: argparse.Namespace) -> tuple[EngineConfig, str]:
 def kv_transfer(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's KV transfer fields for --kv-transfer: a completion that carries
     `kv_transfer_params` then answers with its KV export's transfer params."""
-    if args.kv_transfer is None:
-        return {}
+    if args.kv_transfer in (None, "vllm-mooncake"):
+        return {}  # vllm-mooncake: ServeSettings.vllm_pd (vllm_options)
     options = TransferOptions(host=args.kv_transfer_host)
     return {"kv_transfer": args.kv_transfer, "kv_transfer_options": options}
+
+
+def vllm_options(args: argparse.Namespace) -> Any:
+    """--kv-transfer vllm-mooncake's options (None otherwise)."""
+    if args.kv_transfer != "vllm-mooncake":
+        return None
+    from aioprefill.serve.vllm_pd import VllmPDOptions
+
+    return VllmPDOptions(
+        host=args.vllm_host or args.kv_transfer_host,
+        bootstrap_port=args.vllm_bootstrap_port,
+        layout=args.vllm_kv_layout,
+        dtype=None if args.vllm_kv_dtype == "auto" else args.vllm_kv_dtype,
+        block_size=args.vllm_block_size,
+        timeout_s=args.vllm_transfer_timeout,
+    )
 
 
 def kv_store(args: argparse.Namespace) -> dict[str, Any]:
@@ -324,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         max_documents=args.max_documents,
         max_prompts=args.max_prompts_per_request,
         max_body_bytes=args.max_body_bytes,
+        vllm_pd=vllm_options(args),
     )
     app = App(config, settings, keys)
     if args.server.startswith("granian"):

@@ -269,6 +269,8 @@ class App:
         async with Engine(self.config) as engine:
             self.service = Service(engine, engine.tokenizer, self.settings)
             self._registry = _registry(engine, self.answers, self.keys)
+            pd = await _vllm_pd(engine, self.settings.vllm_pd)  # --kv-transfer vllm-mooncake
+            self.service.vllm_pd = pd
             reload = self.keys is not None and self.keys.file is not None
             if reload:  # a key file is re-read on SIGHUP
                 assert self.keys is not None
@@ -277,6 +279,8 @@ class App:
                 yield
             finally:
                 self.service = None
+                if pd is not None:
+                    await pd.close()
                 if reload:
                     asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 
@@ -294,6 +298,20 @@ class App:
                 return
             raise
         await send({"type": "lifespan.shutdown.complete"})
+
+
+async def _vllm_pd(engine: Engine, options: Any) -> Any:
+    """vLLM's MooncakeConnector, prefill side (`serve/vllm_pd.py`), started; None without."""
+    if options is None:
+        return None
+    from aioprefill.serve.vllm_pd import VllmPD
+    from aioprefill.transfer.vllm.geometry import KVShape
+    from aioprefill.wire.kv import kv_layout
+
+    layout = kv_layout(engine.config.model)
+    pd = VllmPD(options, KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim))
+    await pd.start()
+    return pd
 
 
 def _registry(engine: Engine, answers: Counter[tuple[str, int]], keys: APIKeys | None) -> Any:

@@ -47,6 +47,7 @@ class ServeSettings:
     max_documents: int = 1000  # documents in one rerank / score request; more is a 400
     max_prompts: int = 1024  # prompts in one request; more is a 413 (TEI's batch limit)
     max_body_bytes: int = 16 << 20  # request bodies; larger is a 413
+    vllm_pd: Any = None  # VllmPDOptions: --kv-transfer vllm-mooncake (serve/vllm_pd.py)
 
 
 def _decoder(kind: type) -> msgspec.json.Decoder[Any]:
@@ -74,6 +75,7 @@ class Service:
         self._detokenize = _decoder(DetokenizeRequest)
         # KV transfer (vllm-router's PD mode) only where a transfer engine is configured.
         self.kv_transfer = config.kv_transfer is not None
+        self.vllm_pd: Any = None  # VllmPD with --kv-transfer vllm-mooncake (App sets it)
         self.scorer = Scorer(
             engine,
             tokenizer,
@@ -101,16 +103,17 @@ class Service:
     async def completions(self, body: bytes, request_id: str, tenant: str | None = None) -> bytes:
         req = decode_body(self._completion, body)
         generate = completions.check_completion(req)
+        pd_id = self.vllm_transfer_id(req.kv_transfer_params)
         want_kv = req.kv_transfer_params is not None and self.kv_transfer
         options = completions.prefill_options(req, generate)
         options |= self.salt_option(tenant, req.cache_salt)
-        if want_kv:
+        if want_kv or pd_id is not None:
             options["return_kv"] = True
         echo_offsets = req.echo and req.logprobs is not None
         prompts = await self.prompts(req.prompt, "prompt", offsets=echo_offsets)
-        if want_kv and len(prompts) != 1:
+        if (want_kv or pd_id is not None) and len(prompts) != 1:
             raise InvalidRequest("kv_transfer_params needs exactly one prompt")
-        results = await self._run(prompts, options, request_id)
+        results = await self._run(prompts, options, request_id, pd_id)
         params = _kv_params(results[0]) if want_kv else None
         out = completions.completion_body(
             req,
@@ -131,10 +134,11 @@ class Service:
         generate = chat.check_chat(req)
         ids = await self.chat_ids(req)
         options = chat.prefill_options(req, generate) | self.salt_option(tenant, req.cache_salt)
+        pd_id = self.vllm_transfer_id(req.kv_transfer_params)
         want_kv = req.kv_transfer_params is not None and self.kv_transfer
-        if want_kv:
+        if want_kv or pd_id is not None:
             options["return_kv"] = True
-        r = (await self._run([Prompt(ids)], options, request_id))[0]
+        r = (await self._run([Prompt(ids)], options, request_id, pd_id))[0]
         tokenizer = self.need_tokenizer()
         out = chat.chat_body(
             req,
@@ -181,11 +185,37 @@ class Service:
             offsets=offsets,
         )
 
+    def vllm_transfer_id(self, params: dict[str, Any] | None) -> str | None:
+        """With --kv-transfer vllm-mooncake, a request's `transfer_id` when it asks for a
+        remote decode (vllm-router's `{do_remote_decode: true, transfer_id}`), else None."""
+        if self.vllm_pd is None or not params or not params.get("do_remote_decode"):
+            return None
+        tid = params.get("transfer_id")
+        if not isinstance(tid, str) or not 0 < len(tid) <= 256:
+            raise InvalidRequest(
+                "kv_transfer_params.transfer_id: a string is required with do_remote_decode "
+                f"(vLLM's MooncakeConnector); got {tid!r}"
+            )
+        return tid
+
     async def _run(
-        self, prompts: list[Prompt], options: dict[str, Any], request_id: str
+        self,
+        prompts: list[Prompt],
+        options: dict[str, Any],
+        request_id: str,
+        pd_id: str | None = None,
     ) -> list[PrefillResult]:
         """Every prompt's engine request, submitted together; if one fails the others are
-        cancelled (nothing keeps running for an answer that will not be sent)."""
+        cancelled (nothing keeps running for an answer that will not be sent). With `pd_id`
+        the one prompt's KV export goes to the vLLM transfer of that id."""
+        if pd_id is not None:
+            try:
+                r = await self.engine.prefill(prompts[0].ids, request_id=request_id, **options)
+            except BaseException as exc:
+                self.vllm_pd.fail(pd_id, repr(exc))
+                raise
+            self.vllm_pd.offer(pd_id, r.kv)
+            return [r]
         prefill = self.engine.prefill
         if len(prompts) == 1:
             return [await prefill(prompts[0].ids, request_id=request_id, **options)]
@@ -259,6 +289,7 @@ class Service:
                 "pooling": self.pooling()[0],
                 "normalize": self.pooling()[1],
                 "version": aioprefill.__version__,
+                **({"vllm_pd": self.vllm_pd.stats()} if self.vllm_pd is not None else {}),
                 "engine": {
                     "num_workers": c.num_workers,
                     "tp_size": c.tp_size,
