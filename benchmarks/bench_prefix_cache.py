@@ -39,7 +39,8 @@ import time
 
 import numpy as np
 
-from aioprefill import PaddleModel, protocol
+from aioprefill import PaddleModel
+from aioprefill.wire import protocol
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput
 
 B = 16

@@ -4,6 +4,7 @@
 | module | what it holds |
 | --- | --- |
 | `__main__.py` | the command line: flags to an EngineConfig, the tokenizer, the HTTP front |
+| `flags.py` | every flag of the command line, grouped as `--help` shows them (`parse_args`) |
 | `app.py` | the ASGI app: lifespan, routing, body limits, disconnects, request ids, statuses |
 | `routes.py` | `Service`: each endpoint's work on the engine and the tokenizer |
 | `auth.py` | API keys: the Bearer check, SIGHUP reload, per-key cache salts |

@@ -13,7 +13,8 @@ import msgspec
 import pytest
 
 import aioprefill
-from aioprefill import Engine, EngineConfig, protocol
+from aioprefill import Engine, EngineConfig
+from aioprefill.wire import protocol
 from tests.conftest import own_segments
 from tests.reliability.util import SHM, sim
 
