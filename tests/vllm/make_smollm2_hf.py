@@ -3,7 +3,7 @@ safetensors of its dequantized weights, tokenizer, chat template) that vLLM and 
 load, so both engines run the same numbers. Run inside the vLLM venv (tests/vllm/vllmvenv.py runs
 it on demand):
 
-    .vllm-venv/bin/python tests/vllm/make_smollm2_hf.py GGUF OUT_DIR
+    ~/.cache/aioprefill/vllm-venv/bin/python tests/vllm/make_smollm2_hf.py GGUF OUT_DIR
 """
 
 import os

