@@ -5,7 +5,6 @@ limits, disconnects, request ids, statuses).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from aioprefill.serve.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from aioprefill.serve.scoring import Scorer
+from aioprefill.serve.scoring import Scorer, all_or_none
 
 __all__ = ["ServeSettings", "Service"]
 
@@ -219,17 +218,9 @@ class Service:
         prefill = self.engine.prefill
         if len(prompts) == 1:
             return [await prefill(prompts[0].ids, request_id=request_id, **options)]
-        jobs = [
-            asyncio.ensure_future(prefill(p.ids, request_id=f"{request_id}/{i}", **options))
-            for i, p in enumerate(prompts)
-        ]
-        try:
-            return await asyncio.gather(*jobs)
-        except BaseException:
-            for job in jobs:
-                job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
-            raise
+        return await all_or_none(
+            prefill(p.ids, request_id=f"{request_id}/{i}", **options) for i, p in enumerate(prompts)
+        )
 
     # ---- tokenizer --------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import math
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,12 +272,16 @@ async def run_all(
 ) -> list[PrefillResult]:
     """Every pair's engine request, submitted together (a query-first template's documents
     share its cached blocks); one failing cancels the others."""
-    jobs = [
-        asyncio.ensure_future(
-            engine.prefill(p.ids, request_id=f"{request_id}/{i}", **p.options, **common)
-        )
+    return await all_or_none(
+        engine.prefill(p.ids, request_id=f"{request_id}/{i}", **p.options, **common)
         for i, p in enumerate(pairs)
-    ]
+    )
+
+
+async def all_or_none(requests: Iterable[Awaitable[PrefillResult]]) -> list[PrefillResult]:
+    """One HTTP request's engine requests, submitted together; the first to fail cancels the
+    others (and is raised once they are done): nothing of a failed request keeps running."""
+    jobs = [asyncio.ensure_future(r) for r in requests]
     try:
         return await asyncio.gather(*jobs)
     except BaseException:
