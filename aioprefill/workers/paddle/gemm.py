@@ -54,13 +54,15 @@ _PROJECT_ROWS = 256  # `project`'s row blocks by default: x's block stays in cac
 
 
 @functools.cache
-def _load_sgemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """oneDNN's row-major `dnnl_sgemm` from Paddle's wheel, or None where there is none.
-    Called after paddle loaded the library, so its OpenMP calls are bound as Paddle's are."""
+def _load_gemm(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """oneDNN's row-major gemm `symbol` from Paddle's wheel, or None where there is none:
+    `dnnl_sgemm` (float32) or `dnnl_gemm_bf16bf16f32` (bf16 A and B; float32 C, float32
+    accumulation), both with the same arguments. Called after paddle loaded the library, so its
+    OpenMP calls are bound as Paddle's are."""
     lib = onednn_library()
-    if lib is None or not hasattr(lib, "dnnl_sgemm"):
+    if lib is None or not hasattr(lib, symbol):
         return None
-    fn = lib.dnnl_sgemm
+    fn = getattr(lib, symbol)
     size, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.restype = ctypes.c_int
     # transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc
@@ -69,19 +71,12 @@ def _load_sgemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
-@functools.cache
+def _load_sgemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return _load_gemm("dnnl_sgemm")
+
+
 def _load_gemm_bf16() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """oneDNN's row-major `dnnl_gemm_bf16bf16f32` (bf16 A, B; float32 C, float32 accumulation)
-    from Paddle's wheel, or None where there is none. Arguments as `dnnl_sgemm`'s."""
-    lib = onednn_library()
-    if lib is None or not hasattr(lib, "dnnl_gemm_bf16bf16f32"):
-        return None
-    fn = lib.dnnl_gemm_bf16bf16f32
-    size, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_char, ctypes.c_char, size, size, size, f32, ptr, size, ptr, size]
-    fn.argtypes += [f32, ptr, size]
-    return fn
+    return _load_gemm("dnnl_gemm_bf16bf16f32")
 
 
 def has_gemm_bf16() -> bool:
