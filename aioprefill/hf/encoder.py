@@ -27,6 +27,7 @@ __all__ = [
     "encoder_ignored",
     "encoder_shapes",
     "sentence_transformers_fields",
+    "sentence_transformers_prompts",
 ]
 
 log = logging.getLogger("aioprefill.hf")
@@ -167,6 +168,30 @@ def sentence_transformers_fields(directory: Path) -> dict[str, Any]:
         else:
             raise InvalidConfig(f"{modules_file}: module {kind or module!r} is not supported")
     return fields
+
+
+def sentence_transformers_prompts(directory: Path) -> tuple[dict[str, str], str | None]:
+    """A sentence-transformers directory's named prompts and its default prompt's name
+    (`config_sentence_transformers.json`: `prompts`, `default_prompt_name`): the text that
+    `SentenceTransformer.encode(prompt_name=...)` puts before each input before tokenizing it
+    (E5's "query: ", Qwen3-Embedding's instruction). ({}, None) where the directory has none."""
+    file = directory / "config_sentence_transformers.json"
+    if not file.is_file():
+        return {}, None
+    config = _json(file)
+    if not isinstance(config, dict):
+        raise InvalidConfig(f"{file}: not a JSON object")
+    prompts = config.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()
+    ):
+        raise InvalidConfig(f"{file}: prompts must map names to strings")
+    default = config.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise InvalidConfig(
+            f"{file}: default_prompt_name {default!r} is not one of its prompts {sorted(prompts)}"
+        )
+    return dict(prompts), default
 
 
 def _pooling(file: Path) -> str:

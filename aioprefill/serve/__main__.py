@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from aioprefill.config import EngineConfig, PaddleModel, SimModel
+from aioprefill.errors import InvalidConfig
 from aioprefill.kvstore.options import KVStoreOptions
 from aioprefill.serve.flags import parse_args
 from aioprefill.transfer.options import TransferOptions
@@ -174,6 +175,26 @@ def embedding_flags(args: argparse.Namespace, config: EngineConfig) -> tuple[Any
     return pooling, normalize
 
 
+def embedding_prompts(args: argparse.Namespace) -> tuple[dict[str, str], str | None]:
+    """(named prompts, default prompt text) for ServeSettings: the model directory's
+    sentence-transformers prompts; --default-prompt-name picks one, --default-prompt is a text."""
+    from aioprefill.hf.encoder import sentence_transformers_prompts
+
+    directory = Path(args.model or "")
+    prompts: dict[str, str] = {}
+    default: str | None = None
+    if args.model not in (None, "sim") and directory.is_dir():
+        prompts, default = sentence_transformers_prompts(directory)
+    if args.default_prompt is not None:
+        return prompts, args.default_prompt
+    name = args.default_prompt_name or default
+    if name is not None and name not in prompts:
+        raise InvalidConfig(
+            f"--default-prompt-name {name!r}: the model's prompts are {sorted(prompts) or 'none'}"
+        )
+    return prompts, None if name is None else prompts[name]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from aioprefill.serve.app import App
@@ -190,12 +211,15 @@ def main(argv: list[str] | None = None) -> None:
         elif args.cache_isolation == "per-key":
             raise ValueError("--cache-isolation per-key needs --api-key or --api-key-file")
         pooling, normalize = embedding_flags(args, config)
+        prompts, default_prompt = embedding_prompts(args)
     except (ValueError, OSError) as exc:  # InvalidConfig, a missing file: say it plainly
         raise SystemExit(f"aioprefill-serve: {exc}") from None
     settings = ServeSettings(
         served_model_name=name,
         pooling=pooling,
         normalize=normalize,
+        prompts=prompts,
+        default_prompt=default_prompt,
         rerank_template=args.rerank_template,
         label_tokens=tuple(t for t in args.label_tokens.split(",") if t),
         max_documents=args.max_documents,

@@ -9,6 +9,11 @@ little-endian float32 bytes, as OpenAI's client decodes them. `truncate_prompt_t
 the last N token ids (vLLM's rule; -1: the model's limit); TEI's `truncate` keeps the first
 (`truncation_direction: "left"`: the last) tokens that fit. An encoder's text is tokenized with
 its special tokens and cut to its `max_seq_length` as sentence-transformers cuts it.
+`prompt_name` (TEI's; also taken on /v1/embeddings) puts one of the model directory's named
+prompts (`config_sentence_transformers.json`) before each text input, as
+`SentenceTransformer.encode(prompt_name=)` does; without it the server's default prompt
+(--default-prompt-name / --default-prompt, else the directory's `default_prompt_name`) applies.
+Token-id inputs are taken as they are: a `prompt_name` with them is a 400.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ async def embeddings(svc: Service, body: bytes, request_id: str, tenant: str | N
     keep = req.truncate_prompt_tokens
     if keep is not None and (keep == 0 or keep < -1):
         raise InvalidRequest(f"truncate_prompt_tokens must be -1 or positive, got {keep}")
-    ids = await _prompts(svc, req.input, "input", None if keep is None else ("left", keep))
+    cut = None if keep is None else ("left", keep)
+    ids = await _prompts(svc, req.input, "input", cut, _prompt(svc, req.prompt_name))
     vectors, n = await _run(svc, ids, request_id, tenant, None, dims)
     data = []
     for i, v in enumerate(vectors):
@@ -89,9 +95,22 @@ async def embed(svc: Service, body: bytes, request_id: str, tenant: str | None) 
     if req.truncation_direction.lower() not in ("left", "right"):
         raise InvalidRequest("truncation_direction must be 'left' or 'right'")
     cut = (req.truncation_direction.lower(), -1) if req.truncate else None
-    ids = await _prompts(svc, req.inputs, "inputs", cut)
+    ids = await _prompts(svc, req.inputs, "inputs", cut, _prompt(svc, req.prompt_name))
     vectors, _ = await _run(svc, ids, request_id, tenant, req.normalize, dims)
     return _encode([v.tolist() for v in vectors])
+
+
+def _prompt(svc: Service, name: str | None) -> tuple[str, bool] | None:
+    """(text put before each text input, whether the request named it), or None."""
+    if name is None:
+        default = svc.settings.default_prompt
+        return None if not default else (default, False)
+    prompts = svc.settings.prompts
+    if name not in prompts:
+        raise InvalidRequest(
+            f"prompt_name {name!r} is not one of the model's prompts: {sorted(prompts) or 'none'}"
+        )
+    return prompts[name], True
 
 
 def _dimensions(svc: Service, dims: int | None) -> int | None:
@@ -104,11 +123,15 @@ def _dimensions(svc: Service, dims: int | None) -> int | None:
 
 
 async def _prompts(
-    svc: Service, value: Any, field: str, cut: tuple[str, int] | None
+    svc: Service,
+    value: Any,
+    field: str,
+    cut: tuple[str, int] | None,
+    prompt: tuple[str, bool] | None = None,
 ) -> list[list[int]]:
-    """Each input's ids (text tokenized; an encoder's with its special tokens and its own
-    truncation), cut per `cut` = (side kept from: "left" keeps the last ids, n; -1: the
-    model's limit), each checked (400 naming the field and index)."""
+    """Each input's ids (text tokenized, after `prompt`'s text; an encoder's with its special
+    tokens and its own truncation), cut per `cut` = (side kept from: "left" keeps the last
+    ids, n; -1: the model's limit), each checked (400 naming the field and index)."""
     if value is None:
         raise InvalidRequest(f"{field} is required")
     items = texts(value, field, allow_ids=True)
@@ -123,7 +146,9 @@ async def _prompts(
         if isinstance(item, str):
             if not item:
                 raise InvalidRequest(f"{where} is an empty string")
-            ids = await svc.scorer.text_ids(item, where)
+            ids = await svc.scorer.text_ids(item if prompt is None else prompt[0] + item, where)
+        elif prompt is not None and prompt[1]:
+            raise InvalidRequest(f"{where}: prompt_name applies to text, not token ids")
         else:
             ids = item
         if cut is not None:

@@ -148,6 +148,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="L2-normalise embeddings (default: as the model directory says, else not)",
     )
+    prompt = g.add_mutually_exclusive_group()
+    prompt.add_argument(
+        "--default-prompt-name",
+        default=None,
+        help="one of the model directory's named prompts (config_sentence_transformers.json), "
+        "put before every text a request sends without its own prompt_name (default: the "
+        "directory's default_prompt_name, else none)",
+    )
+    prompt.add_argument(
+        "--default-prompt", default=None, help="a literal text put before every embedded text"
+    )
     g = p.add_argument_group("rerank and score (docs/embedding.md)")
     g.add_argument(
         "--rerank-template",

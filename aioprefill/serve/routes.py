@@ -6,7 +6,7 @@ limits, disconnects, request ids, statuses).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -41,6 +41,8 @@ class ServeSettings:
     served_model_name: str
     pooling: str | None = None  # how /v1/embeddings pools: None: the model's own, else mean
     normalize: bool | None = None  # L2-normalise embeddings (None: the model's own, else no)
+    prompts: dict[str, str] = field(default_factory=dict)  # named prompts (`prompt_name`)
+    default_prompt: str | None = None  # put before every text input to the embedding endpoints
     rerank_template: str | None = None  # a decoder's rerank template (or file); scoring.py
     label_tokens: tuple[str, ...] = ("yes", "no")  # its label tokens, the relevant one first
     max_documents: int = 1000  # documents in one rerank / score request; more is a 400

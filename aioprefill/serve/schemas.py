@@ -103,6 +103,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the last N ids (-1: the limit)
+    prompt_name: str | None = None  # TEI's: one of the model's named prompts before each text
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -98,3 +98,28 @@ def test_the_kv_store_flags_make_the_store_tier():
     done = run("--model", "sim", "--kv-store-master", "no-port")
     assert done.returncode != 0 and "KVStoreOptions.master" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_default_prompts_come_from_the_directory_or_the_flags(tmp_path):
+    import json
+
+    import pytest
+
+    from aioprefill.errors import InvalidConfig
+    from aioprefill.serve.__main__ import embedding_prompts
+    from aioprefill.serve.flags import parse_args
+
+    prompts = {"query": "query: ", "passage": ""}
+    config = {"prompts": prompts, "default_prompt_name": "query"}
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(config))
+    model = ["--model", str(tmp_path)]
+    assert embedding_prompts(parse_args(model)) == (prompts, "query: ")
+    flags = ["--default-prompt-name", "passage"]
+    assert embedding_prompts(parse_args([*model, *flags])) == (prompts, "")
+    assert embedding_prompts(parse_args([*model, "--default-prompt", "q: "])) == (prompts, "q: ")
+    with pytest.raises(InvalidConfig, match="'passage', 'query'"):
+        embedding_prompts(parse_args([*model, "--default-prompt-name", "doc"]))
+    config["default_prompt_name"] = "doc"
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidConfig, match="default_prompt_name 'doc'"):
+        embedding_prompts(parse_args(model))

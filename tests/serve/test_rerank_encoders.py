@@ -4,7 +4,9 @@ sentence-transformers' CrossEncoder.predict does (within 1e-5), TEI's raw_scores
 logit; all-MiniLM-L6-v2 as its package ships it answers /embed and /v1/embeddings (the official
 openai client) with sentence-transformers' normalised embeddings (24 golden sentences, 8 past
 max_seq_length truncated as it truncates) (cosine >= 0.99999, max |d| <= 1e-5), and /v1/score and
-/v1/rerank by cosine; label_token_ids scoring is a decoder's (400)."""
+/v1/rerank by cosine; label_token_ids scoring is a decoder's (400). Named prompts
+(`config_sentence_transformers.json`, here a copy of MiniLM's directory given two) go before
+each text as `SentenceTransformer.encode(prompt_name=)` puts them."""
 
 from __future__ import annotations
 
@@ -30,11 +32,19 @@ def bert():
         yield s
 
 
+PROMPTS = {"query": "query: ", "passage": "passage: "}
+
+
 @pytest.fixture(scope="module")
-def minilm():
-    with serve(
-        "--model", str(minilm_dir()), "--served-model-name", "minilm", "--workers", "1"
-    ) as s:
+def minilm(tmp_path_factory):
+    # MiniLM as shipped, but for the named prompts E5-style models carry (no default prompt,
+    # so every other test's inputs are embedded as they are)
+    model = tmp_path_factory.mktemp("minilm-prompts")
+    for f in minilm_dir().iterdir():
+        if f.name != "config_sentence_transformers.json":
+            (model / f.name).symlink_to(f)
+    (model / "config_sentence_transformers.json").write_text(json.dumps({"prompts": PROMPTS}))
+    with serve("--model", str(model), "--served-model-name", "minilm", "--workers", "1") as s:
         yield s
 
 
@@ -96,3 +106,20 @@ def test_minilm_scores_by_cosine_and_refuses_label_scoring(minilm):
         short = http.post("/embed", json={"inputs": s[0], "dimensions": 32}).json()[0]
         v = want[0][:32] / np.linalg.norm(want[0][:32])
         np.testing.assert_allclose(short, v, atol=1e-5)  # Matryoshka: cut, back to unit length
+
+
+def test_named_prompts_go_before_each_text_and_unknown_names_are_400(minilm):
+    texts = MINI["sentences"][:3]
+    with httpx.Client(base_url=minilm.url, timeout=60) as http:
+        named = http.post("/embed", json={"inputs": texts, "prompt_name": "query"}).json()
+        spelled = http.post("/embed", json={"inputs": [PROMPTS["query"] + t for t in texts]})
+        plain = http.post("/embed", json={"inputs": texts}).json()
+        assert named == spelled.json() and named != plain
+        body = {"input": texts, "prompt_name": "passage"}
+        oa = [d["embedding"] for d in http.post("/v1/embeddings", json=body).json()["data"]]
+        spelled = http.post("/embed", json={"inputs": [PROMPTS["passage"] + t for t in texts]})
+        np.testing.assert_array_equal(np.float32(oa), np.float32(spelled.json()))
+        r = http.post("/embed", json={"inputs": texts, "prompt_name": "document"})
+        assert r.status_code == 400 and "'passage', 'query'" in r.json()["error"]["message"]
+        r = http.post("/v1/embeddings", json={"input": [[101, 102]], "prompt_name": "query"})
+        assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
