@@ -96,13 +96,15 @@ ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
 )
-# Bidirectional encoders (BERT, XLM-RoBERTa): no LM head, a pooled embedding per prompt and,
-# for the *ForSequenceClassification ones, their classifier's logits (docs/embedding.md).
+# Bidirectional encoders (BERT, XLM-RoBERTa, ModernBERT): no LM head, a pooled embedding per
+# prompt and, for the *ForSequenceClassification ones, the classifier's logits (embedding.md).
 ENCODER_ARCHITECTURES = (
     "BertModel",
     "BertForSequenceClassification",
     "XLMRobertaModel",
     "XLMRobertaForSequenceClassification",
+    "ModernBertModel",
+    "ModernBertForSequenceClassification",
 )
 ARCHITECTURES += ENCODER_ARCHITECTURES
 POOLINGS = ("cls", "mean", "last")
@@ -171,6 +173,13 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
     pooling: Literal["cls", "mean", "last"] | None = None
     normalize: bool = False
     max_seq_length: int = 0
+    # ModernBERT only (ModernBertConfig's defaults; `rope_theta`: its global layers'): the local
+    # layers' window (keys at most local_attention // 2 positions away) and RoPE theta, layer i
+    # global where i % global_attn_every_n_layers == 0, the classifier's pooling.
+    local_attention: int = 128
+    local_rope_theta: float = 10000.0
+    global_attn_every_n_layers: int = 3
+    classifier_pooling: Literal["cls", "mean"] = "cls"
 
     def __post_init__(self) -> None:
         for name in (
@@ -203,7 +212,7 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
         if self.is_encoder:
             self._check_encoder()
         _require(
-            self.is_encoder or self.head_dim % 2 == 0,
+            (self.is_encoder and "ModernBert" not in self.architecture) or self.head_dim % 2 == 0,
             "PaddleModel.head_dim",
             f"must be even for RoPE, got {self.head_dim}",
         )
@@ -263,7 +272,7 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
 
     @property
     def is_encoder(self) -> bool:
-        """A bidirectional encoder (BERT, XLM-RoBERTa): embeddings and scores, no next token."""
+        """A bidirectional encoder (BERT, XLM-R, ModernBERT): embeddings, scores, no next token."""
         return self.architecture in ENCODER_ARCHITECTURES
 
     def _check_encoder(self) -> None:
@@ -297,6 +306,13 @@ class PaddleModel(msgspec.Struct, frozen=True, kw_only=True, tag="paddle"):
         )
         _require(self.num_experts == 0, "PaddleModel.num_experts", "encoders have dense MLPs")
         _require(self.dtype == "float32", "PaddleModel.dtype", "encoders run float32 only (yet)")
+        if self.architecture.startswith("ModernBert"):  # RoPE, local windows, its head
+            for name in ("local_attention", "global_attn_every_n_layers"):
+                _positive_int(getattr(self, name), f"PaddleModel.{name}")
+            _finite_nonneg(self.local_rope_theta, "PaddleModel.local_rope_theta")
+            _require(self.local_rope_theta > 0, "PaddleModel.local_rope_theta", "must be > 0")
+            pools = ("cls", "mean")
+            _require(self.classifier_pooling in pools, "PaddleModel.classifier_pooling", "cls/mean")
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], **overrides: object) -> PaddleModel:

@@ -51,6 +51,10 @@ _FUNCTION_FIELDS = frozenset(
         "type_vocab_size",
         "position_offset",
         "num_labels",
+        "local_attention",
+        "local_rope_theta",
+        "global_attn_every_n_layers",
+        "classifier_pooling",
         "weights",
         "seed",
     }

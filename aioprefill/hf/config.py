@@ -95,7 +95,7 @@ def spec_fields(config: dict[str, Any]) -> dict[str, Any]:
         # transformers' AutoModelForCausalLM picks it from model_type, and so does this.
         archs = [_BY_MODEL_TYPE[config["model_type"]]]
     if isinstance(archs, list) and len(archs) == 1 and archs[0] in ENCODERS:
-        return encoder_fields(config, archs[0])  # BERT, XLM-RoBERTa (hf.encoder)
+        return encoder_fields(config, archs[0])  # BERT, XLM-R, ModernBERT (hf.encoder)
     if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in _ARCHITECTURES):
         raise _refuse(
             "architectures",

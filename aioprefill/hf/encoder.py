@@ -1,6 +1,7 @@
-"""Encoders (BERT, XLM-RoBERTa) from Hugging Face and sentence-transformers directories:
-`config.json` -> `PaddleModel` fields, the directory's sentence-transformers modules (Pooling,
-Normalize, max_seq_length), and the checkpoint's tensor names.
+"""Encoders (BERT, XLM-RoBERTa; ModernBERT's own parts in `hf.modernbert`) from Hugging Face and
+sentence-transformers directories: `config.json` -> `PaddleModel` fields, the directory's
+sentence-transformers modules (Pooling, Normalize, max_seq_length), and the checkpoint's tensor
+names.
 
 As for decoders (`hf.config`), every config.json key sets a field, is checked to hold the one
 value the forward implements, or is known not to touch the forward; any other key raises
@@ -19,6 +20,7 @@ from typing import Any
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config_keys import COMMON
+from aioprefill.hf.modernbert import MODERNBERT, modernbert_fields, modernbert_shapes
 from aioprefill.hf.spec import ModelShape
 
 __all__ = [
@@ -38,6 +40,7 @@ ENCODERS: dict[str, tuple[str, str, str]] = {
     "BertForSequenceClassification": ("bert", "bert.", "bert"),
     "XLMRobertaModel": ("xlm-roberta", "", ""),
     "XLMRobertaForSequenceClassification": ("xlm-roberta", "roberta.", "roberta"),
+    **MODERNBERT,  # hf.modernbert
 }
 # transformers' BertConfig / XLMRobertaConfig defaults for absent keys.
 _DEFAULTS: dict[str, Any] = {
@@ -94,6 +97,8 @@ def encoder_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
     """`PaddleModel` keyword arguments for an encoder's parsed `config.json` (`arch` one of
     `ENCODERS`), or `InvalidConfig` naming the first key whose setting is not implemented."""
     model_type, _, head = ENCODERS[arch]
+    if model_type == "modernbert":
+        return modernbert_fields(config, arch)
     if config.get("model_type", model_type) != model_type:
         raise _refuse("model_type", f"{config['model_type']!r} does not match {arch}")
     c = {**_DEFAULTS, **config}
@@ -216,7 +221,9 @@ def _json(file: Path) -> Any:
 
 def encoder_shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor an encoder spec needs, by Hugging Face name (linear weights [out, in])."""
-    _, base, head = ENCODERS[spec.architecture]
+    model_type, base, head = ENCODERS[spec.architecture]
+    if model_type == "modernbert":
+        return modernbert_shapes(spec)
     h, ffn = spec.hidden_size, spec.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         f"{base}embeddings.word_embeddings.weight": (spec.vocab_size, h),
@@ -253,7 +260,9 @@ def encoder_shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
 
 def encoder_ignored(name: str, spec: ModelShape) -> bool:
     """Stored tensors an encoder does not read: the position ids buffer, a base model's pooler."""
-    _, base, head = ENCODERS[spec.architecture]
+    model_type, base, head = ENCODERS[spec.architecture]
+    if model_type == "modernbert":  # every stored tensor is read
+        return False
     return name.endswith("embeddings.position_ids") or (
         not head and name.startswith(f"{base}pooler.")
     )

@@ -101,6 +101,9 @@ class Scorer:
         spec = engine.config.model
         self.limit = engine.config.max_prompt_tokens or spec.max_prompt_tokens
         self.num_labels = int(getattr(spec, "num_labels", 0) or 0)
+        # a model with one token type reads none: a pair's type ids (ModernBERT's template
+        # gives the second text type 1) are not sent
+        self._typed = int(getattr(spec, "type_vocab_size", 0) or 0) > 1
         encoder = bool(getattr(spec, "is_encoder", False))
         self.kind = "classifier" if self.num_labels else "embedding" if encoder else "template"
         if template is None and getattr(spec, "architecture", "") == "Qwen3ForCausalLM":
@@ -195,7 +198,7 @@ class Scorer:
         for i, (ids, types) in enumerate(pairs.encode_pairs([(query, d) for d in documents])):
             if len(ids) > limit and not cut:
                 raise InvalidRequest(f"{field_name}[{i}]: {len(ids)} tokens, more than {limit}")
-            out.append(Pair(ids[:limit], {"token_type_ids": types[:limit]}))
+            out.append(Pair(ids[:limit], {"token_type_ids": types[:limit]} if self._typed else {}))
         return out
 
     async def _embed_ids(self, text: str) -> list[int]:

@@ -53,6 +53,10 @@ def make_runner(spec: protocol.WorkerSpec) -> ModelRunner:
 
     place = spec.parallel
     grouped = place.size > 1
+    if isinstance(spec.model, PaddleModel) and spec.model.architecture.startswith("ModernBert"):
+        from aioprefill.workers.paddle.modernbert import ModernBertRunner
+
+        return ModernBertRunner(spec.model, spec.worker)
     if isinstance(spec.model, PaddleModel) and spec.model.is_encoder:
         from aioprefill.workers.paddle.encoder import EncoderRunner
 

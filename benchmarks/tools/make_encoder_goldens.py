@@ -4,7 +4,8 @@ the outputs are committed, and only the two tiny synthetic checkpoints carry wei
     python3 -m venv .st-venv
     .st-venv/bin/pip install --no-compile torch==2.13.0 transformers==5.24.0 \
         sentence-transformers safetensors tokenizers
-    .st-venv/bin/python benchmarks/tools/make_encoder_goldens.py [--model PATH] [--out DIR]
+    .st-venv/bin/python benchmarks/tools/make_encoder_goldens.py [--model PATH] [--out DIR] \
+        [minilm bert xlmr modernbert modernbert_cls]
 
 Writes under DIR (default tests/data/encoder; tests/encoder_models.py reads them):
 
@@ -24,6 +25,17 @@ Writes under DIR (default tests/data/encoder; tests/encoder_models.py reads them
   12 (query, document) pairs, their ids as transformers' tokenizer makes them, the logits of
   the model in float32 (one pair at a time, and the whole batch padded: the two agree within
   1e-6) and float64, and CrossEncoder.predict's scores (the sigmoid of the logit).
+- modernbert/ and modernbert_cls/: ModernBertModel (as a sentence-transformers directory: mean
+  Pooling, Normalize, max_seq_length 256) and ModernBertForSequenceClassification (one label,
+  classifier_pooling mean), hidden 64, 3 layers (layer 0 global, 1 and 2 local with
+  local_attention 16, so the window matters on texts of up to ~190 tokens), RoPE thetas 160000
+  / 10000, no biases, saved by transformers 5 (`layer_types`, `rope_parameters`) with a byte-level
+  BPE tokenizer trained here in ModernBERT's pipeline ([CLS] A [SEP] B [SEP], no token type ids).
+  modernbert/: embeddings.npy (`encode(normalize_embeddings=True)` of 32 sentences, 13-185
+  tokens), mean_states.npy / first_states.npy (transformers' last hidden state, un-normalised),
+  expected.json (sentences, ids, the fp64 distance). modernbert_cls/expected.json: the 12 pairs'
+  ids and logits with classifier_pooling mean and cls (the same weights), float32 and float64.
+  Neither needs all-MiniLM-L6-v2.
 
 Weights are made harder to match than transformers' init (std 0.02 makes every output nearly
 constant): all linear weights and embeddings carry std 0.1-1 noise, LayerNorm scales 1 +- 0.1
@@ -428,13 +440,254 @@ def make_cross(kind: str, src: Path, out: Path, tmp: Path) -> None:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# synthetic ModernBERT (embedding model and cross-encoder)
+
+MB_LOCAL_ATTENTION = 16  # a local layer's token sees 8 on either side: far less than the texts
+
+
+def modernbert_tokenizer():
+    """ModernBERT's tokenizer pipeline on a small vocabulary: byte-level BPE trained here on the
+    word list and the pairs, its special tokens after the merges' tokens ([UNK] [CLS] [SEP] [PAD]
+    [MASK], as ModernBERT's 50280-50284), NFC, and its template ([CLS] A [SEP], pair
+    [CLS] A [SEP] B [SEP] with type 1 on B's part), wrapped as transformers'
+    PreTrainedTokenizerFast with ModernBERT's model_input_names (no token type ids)."""
+    from tokenizers import decoders, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [q for q, _ in PAIRS] + [d for _, d in PAIRS] + [" ".join(WORDS), " ".join(ODD)]
+    t = Tokenizer(models.BPE())
+    t.normalizer = normalizers.NFC()
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=420, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    t.train_from_iterator(corpus, trainer)
+    special = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    t.add_special_tokens(special)
+    cls, sep = t.token_to_id("[CLS]"), t.token_to_id("[SEP]")
+    t.post_processor = processors.TemplateProcessing(
+        single="[CLS]:0 $A:0 [SEP]:0",
+        pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=t,
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        mask_token="[MASK]",
+        model_input_names=["input_ids", "attention_mask"],
+        model_max_length=512,
+    )
+
+
+def modernbert_config(tok, **kw):
+    from transformers import ModernBertConfig
+
+    return ModernBertConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        global_attn_every_n_layers=3,  # layers 0 global, 1 and 2 local
+        local_attention=MB_LOCAL_ATTENTION,
+        global_rope_theta=160000.0,
+        local_rope_theta=10000.0,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.cls_token_id,
+        cls_token_id=tok.cls_token_id,
+        eos_token_id=tok.sep_token_id,
+        sep_token_id=tok.sep_token_id,
+        attn_implementation="sdpa",
+        **kw,
+    )
+
+
+@torch.no_grad()
+def harden_modernbert(model: torch.nn.Module, seed: int) -> None:
+    """As `harden`: norms' scales 1 +- 0.1, embeddings std 1, products std 0.1 (Wqkv 0.2, so
+    attention is far from uniform and a wrong window or RoPE shows), the classifier's bias."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        elif "embeddings" in name:
+            p.copy_(torch.randn(p.shape, generator=g))
+        else:
+            scale = 2.0 if "Wqkv" in name else 1.0
+            p.copy_(0.1 * torch.randn(p.shape, generator=g) * scale)
+
+
+@torch.no_grad()
+def make_modernbert(out: Path) -> None:
+    """ModernBertModel as a sentence-transformers directory (mean pooling, Normalize) and its
+    `encode(normalize_embeddings=True)` of sentences of 4-200 tokens, with the un-normalised
+    mean and first-token states of transformers' last hidden state."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, AutoTokenizer, ModernBertModel
+
+    torch.manual_seed(SEED)
+    tok = modernbert_tokenizer()
+    model = ModernBertModel(modernbert_config(tok))
+    harden_modernbert(model, SEED + 2)
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]  # fmt: skip
+    (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    (out / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 256, "do_lower_case": False}) + "\n"
+    )
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}) + "\n"
+    )
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    # everything below reads the directory back as a user would
+    tok = AutoTokenizer.from_pretrained(out)
+    rng = random.Random(SEED + 2)
+    targets = [rng.randint(4, 16) for _ in range(8)] + [rng.randint(17, 200) for _ in range(24)]
+    rng.shuffle(targets)
+    sentences = [sentence(rng, n, lambda t: len(tok(t)["input_ids"])) for n in targets]
+    st = SentenceTransformer(str(out), device="cpu")
+    emb = st.encode(sentences, batch_size=8, normalize_embeddings=True, convert_to_numpy=True)
+    m32 = AutoModel.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
+    m64 = AutoModel.from_pretrained(out, dtype=torch.float64, attn_implementation="sdpa").eval()
+    ids, mean, first, d64 = [], [], [], 0.0
+    for s in sentences:
+        enc = tok(s, return_tensors="pt")
+        assert "token_type_ids" not in enc
+        ids.append(enc["input_ids"][0].tolist())
+        h = m32(**enc).last_hidden_state[0]
+        h64 = m64(**enc).last_hidden_state[0]
+        d64 = max(d64, float((h.double() - h64).abs().max()))
+        mean.append(h.mean(0))
+        first.append(h[0])
+    for i, s in enumerate(sentences):  # sentence-transformers saw the same ids
+        f = st.tokenize([s])
+        assert f["input_ids"][0][f["attention_mask"][0].bool()].tolist() == ids[i]
+    mean_t = torch.stack(mean)
+    d_st = float(
+        (torch.nn.functional.normalize(mean_t, dim=-1) - torch.from_numpy(emb)).abs().max()
+    )
+    assert d_st < 1e-5, d_st
+    np.save(out / "embeddings.npy", emb.astype(np.float32))
+    np.save(out / "mean_states.npy", mean_t.numpy().astype(np.float32))
+    np.save(out / "first_states.npy", torch.stack(first).numpy().astype(np.float32))
+    doc = {
+        "architecture": "ModernBertModel",
+        "made_with": {
+            "sentence_transformers": __import__("sentence_transformers").__version__,
+            "transformers": __import__("transformers").__version__,
+            "torch": torch.__version__,
+        },
+        "encode": {"batch_size": 8, "normalize_embeddings": True, "dtype": "float32"},
+        "local_attention": MB_LOCAL_ATTENTION,
+        "fp32_vs_fp64_max_abs_hidden": d64,
+        "sentences": sentences,
+        "input_ids": ids,
+    }
+    (out / "expected.json").write_text(json.dumps(doc, ensure_ascii=False) + "\n")
+    n = [len(x) for x in ids]
+    print(f"modernbert: {len(ids)} sentences, tokens {min(n)}..{max(n)}, fp32 vs fp64 {d64:.1e}")
+
+
+@torch.no_grad()
+def make_modernbert_cls(out: Path) -> None:
+    """ModernBertForSequenceClassification (one label, classifier_pooling mean): its logits of
+    the pairs, one at a time and batched, float32 and float64, and with classifier_pooling cls
+    (the same weights; tests/test_modernbert.py edits the config to match)."""
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        ModernBertForSequenceClassification,
+    )
+
+    torch.manual_seed(SEED)
+    tok = modernbert_tokenizer()
+    cfg = modernbert_config(tok, num_labels=1, classifier_pooling="mean")
+    model = ModernBertForSequenceClassification(cfg)
+    harden_modernbert(model, SEED + 3)
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    raw = Tokenizer.from_file(str(out / "tokenizer.json"))
+    raw.no_truncation()
+    raw.no_padding()
+    models_by = {}
+    for dtype in (torch.float32, torch.float64):
+        for pooling in ("mean", "cls"):
+            m = AutoModelForSequenceClassification.from_pretrained(
+                out, dtype=dtype, attn_implementation="sdpa"
+            ).eval()
+            m.config.classifier_pooling = pooling
+            models_by[dtype, pooling] = m
+    rows = []
+    for q, d in PAIRS:
+        enc = tok([q], [d], return_tensors="pt")
+        r = raw.encode(q, d)
+        assert enc["input_ids"][0].tolist() == r.ids, (q, d)
+        row = {"query": q, "document": d, "input_ids": r.ids, "token_type_ids": r.type_ids}
+        for (dtype, pooling), m in models_by.items():
+            key = "logit" + ("" if pooling == "mean" else "_cls")
+            key += "" if dtype == torch.float32 else "_fp64"
+            row[key] = float(m(**enc).logits[0, 0])
+        rows.append(row)
+    batch = tok([q for q, _ in PAIRS], [d for _, d in PAIRS], padding=True, return_tensors="pt")
+    batched = models_by[torch.float32, "mean"](**batch).logits[:, 0].tolist()
+    for row, b in zip(rows, batched, strict=True):
+        row["logit_batched"] = b
+        assert abs(b - row["logit"]) < 1e-5, (b, row["logit"])
+    doc = {
+        "architecture": "ModernBertForSequenceClassification",
+        "made_with": {
+            "transformers": __import__("transformers").__version__,
+            "torch": torch.__version__,
+        },
+        "classifier_pooling": "mean (logit); cls (logit_cls: the same weights)",
+        "local_attention": MB_LOCAL_ATTENTION,
+        "pairs": rows,
+    }
+    (out / "expected.json").write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
+    lg = [r["logit"] for r in rows]
+    print(
+        f"modernbert_cls: vocab {len(tok)}, logits {min(lg):.3f}..{max(lg):.3f}, "
+        f"fp32 vs fp64 {max(abs(r['logit'] - r['logit_fp64']) for r in rows):.1e}, "
+        f"lengths {[len(r['input_ids']) for r in rows]}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="all-MiniLM-L6-v2: a directory, a model.zip, or the package dir")
     p.add_argument("--out", type=Path, default=repo_root() / "tests" / "data" / "encoder")
-    p.add_argument("what", nargs="*", default=["minilm", "bert", "xlmr"])
+    p.add_argument(
+        "what", nargs="*", default=["minilm", "bert", "xlmr", "modernbert", "modernbert_cls"]
+    )
     args = p.parse_args()
     torch.set_num_threads(THREADS)
+    if "modernbert" in args.what:
+        make_modernbert(args.out / "modernbert")
+    if "modernbert_cls" in args.what:
+        make_modernbert_cls(args.out / "modernbert_cls")
+    if not {"minilm", "bert", "xlmr"} & set(args.what):
+        return
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         src = model_dir(find_model_zip(args.model), tmp)

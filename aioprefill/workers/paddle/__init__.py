@@ -5,5 +5,6 @@
 oneDNN/MKL products); `attention`, `norm`, `ops` (RoPE, SwiGLU, masked softmax), `softmax`
 and `moe` are the layers; `head` and `logits` the outputs (next token, logprobs, top-k,
 embeddings); `prefix` the prefix-cache reads and writes; `shard` a tensor-parallel rank's
-share; `rows` checks that a product gives a row the same bits whatever the batch.
+share; `rows` checks that a product gives a row the same bits whatever the batch. `encoder`
+(BERT, XLM-RoBERTa) and `modernbert` are the encoder runners.
 """
