@@ -19,10 +19,12 @@ def pytest_asyncio_loop_factories(config, item):
 
 
 # Collected first (and kept first: pyproject's `--no-loadscope-reorder`), so that with two test
-# processes the longest module starts at once and the other process runs the rest beside it,
-# instead of both waiting on it at the end: test_lm_eval creates its torch-free lm-eval venv
-# (~60 s of its ~115 on a loaded 2-core machine, tests/lm_eval_run.py) before lm-eval runs.
-FIRST = ("tests/serve/test_lm_eval.py",)
+# processes the longest modules start at once, one in each process, and the other process runs
+# the rest beside them, instead of both waiting on one at the end: test_vllm_decode starts a
+# real vLLM decode and a prefill node, then waits on vLLM's timeouts (~2 min where vLLM's venv
+# is kept: tests/vllm/vllmvenv.py), test_lm_eval starts a server and runs lm-eval (~1 min, and
+# its venv's creation where it is not kept: tests/lm_eval_run.py).
+FIRST = ("tests/vllm/test_vllm_decode.py", "tests/serve/test_lm_eval.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,9 @@ is_greedy). Used by benchmarks/tools/make_lm_eval_goldens.py (`--model hf`, in t
 tests/refvenv.py, torch) and tests/serve/test_lm_eval.py (`--model local-completions` through
 the server, in the lm-eval venv below).
 
-The lm-eval venv (`.lm-eval-venv` at the repository root, made on first use, reused after):
+The lm-eval venv (`~/.cache/aioprefill/lm-eval-venv`, outside any checkout so that every clone
+and CI run on a machine reuse one, as the vLLM venv: tests/vllm/vllmvenv.py;
+`AIOPREFILL_LM_EVAL_VENV` moves it; made on first use, reused after):
 lm-eval 0.4.13 with its `api` extra and transformers, no torch. lm-eval's `local-completions`
 imports no torch; for `tokenizer=DIR` it loads the tokenizer with transformers' AutoTokenizer
 (its `huggingface` tokenizer backend), which reads a tokenizer.json directory without torch.
@@ -22,7 +24,11 @@ from tests import refvenv
 
 ROOT = refvenv.ROOT
 TASKS = "aioprefill_mc,aioprefill_ppl"
-LM_EVAL_VENV = Path(os.environ.get("AIOPREFILL_LM_EVAL_VENV", ROOT / ".lm-eval-venv"))
+LM_EVAL_VENV = Path(
+    os.environ.get(
+        "AIOPREFILL_LM_EVAL_VENV", Path.home() / ".cache" / "aioprefill" / "lm-eval-venv"
+    )
+)
 LM_EVAL_REQUIREMENTS = [
     "lm-eval[api]==0.4.13",
     # the tokenizer only (lm-eval's `huggingface` tokenizer backend); no torch comes with it

@@ -27,6 +27,10 @@ HERE = Path(__file__).resolve().parent
 ROUTER = Path(sys.executable).parent / "vllm-router"
 DATA = ROOT / "tests" / "data" / "vllm"
 NAME = "smollm2"
+# The test decode and its goldens run eagerly (no torch.compile: it starts in seconds instead of
+# 2-4 min; vLLM 0.32 sets compilation mode NONE for it, the CPU platform keeps that): the tests
+# check the decode's tokens against vLLM alone started the same way, not compiled kernels.
+EAGER = ("--enforce-eager",)
 
 
 class Node:
@@ -78,18 +82,23 @@ class Node:
 
 def vllm_node(
     python: Path, model: Path, port: int, *, core: int | str, dtype: str = "float32",
-    consumer: bool = True, abort_timeout_s: int = 10, extra: tuple[str, ...] = (),
+    consumer: bool = True, abort_timeout_s: int = 10, recv_slack_s: float | None = None,
+    extra: tuple[str, ...] = (),
 ) -> Node:  # fmt: skip
+    """`recv_slack_s`: the decode gives up on a prefill's answer after `abort_timeout_s` + this
+    instead of + 60 s (a test knob of the CPU shim: tests/vllm/cpu_mooncake_connector.py)."""
     env = dict(
         os.environ,
         PYTHONPATH=str(HERE),  # the shim, by module name
         VLLM_HOST_IP="127.0.0.1",  # else get_ip() asks the network which address it has
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND=str(core),
-        VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT=str(abort_timeout_s),  # its wait: this + 60 s
+        VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT=str(abort_timeout_s),  # its wait: this + 60 s (slack)
         VLLM_MOONCAKE_CONNECTOR_TIMEOUT="10",
         VLLM_LOGGING_LEVEL="INFO",
     )
+    if recv_slack_s is not None:
+        env["AIOPREFILL_TEST_MOONCAKE_RECV_SLACK_S"] = str(recv_slack_s)
     args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
             "--max-model-len", "4096", "--served-model-name", NAME, *extra]  # fmt: skip
