@@ -74,18 +74,17 @@ class OutputHead:
         min_rows: int = 1,
         shard: Shard | None = None,
         product: Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor] | None = None,
-        lm_head32: paddle.Tensor | None = None,
+        pad_last: bool = False,
     ) -> None:
         """`rms_norm`: the final norm's kernel (`paddle.norm.rms_norm_for`). `shard`: under
         tensor parallelism `lm_head` is this rank's vocabulary slice, and each tile's per-row
         results are joined across the ranks (`Shard.head_rows`). `product(x, w)` is x @ w.T
         (`paddle.gemm.Products.product`; default Paddle's matmul). Prompt log-probabilities run
-        on tiles of at least `min_rows` rows (zero rows added; `paddle.rows`). `lm_head32`: a
-        bfloat16 CPU worker's head in float32, for the last rows (the next token, its top-k and
-        labels; one row a prompt: the exact product costs ~nothing), `lm_head` for the prompt
-        rows (prompt logprobs and top-k: every position, where bf16 halves the head's time)."""
+        on tiles of at least `min_rows` rows (zero rows added; `paddle.rows`), and with
+        `pad_last` (a bfloat16 CPU worker, whose rows are otherwise bitwise batch-invariant)
+        the last rows too."""
         self._lm_head = lm_head
-        self._lm_head32 = lm_head if lm_head32 is None else lm_head32
+        self._pad_last = pad_last
         self._shard = shard if shard is not None and shard.tp_size > 1 else None
         self._norm, self._eps, self._rms_norm = norm, eps, rms_norm
         self._product = product or _matmul_t
@@ -131,7 +130,7 @@ class OutputHead:
         top_k = batch.top_k_of()[done]
         last_rows = paddle.gather(x, paddle.to_tensor(offsets[done + 1] - 1))
         labels = [batch.labels_of(i) for i in done.tolist()]
-        h, r = self._rows(last_rows, int(top_k.max()), labels=_label_matrix(labels), last=True)
+        h, r = self._rows(last_rows, int(top_k.max()), labels=_label_matrix(labels))
         k_ids = [r.top_ids[j, :k] for j, k in enumerate(top_k.tolist()) if k]
         k_lps = [r.top_vals[j, :k] - r.lse[j] for j, k in enumerate(top_k.tolist()) if k]
         label_lps = [
@@ -283,18 +282,13 @@ class OutputHead:
         targets: np.ndarray | None = None,
         *,
         labels: np.ndarray | None = None,
-        last: bool = False,
     ) -> tuple[np.ndarray | None, HeadRows]:
         """Rows `h` [rows, hidden] through the final norm and the head, tile by tile: the
         final-norm rows (float32 [rows, hidden]; None with `targets`, which never need them)
-        and the head's per-row results; `labels` [rows, m] (last rows): their logits picked.
-        `last`: the requests' last rows (`lm_head32`)."""
-        weight = self._lm_head32 if last else self._lm_head
+        and the head's per-row results; `labels` [rows, m] (last rows): their logits picked."""
         rows = h.shape[0]
-        # prompt logprobs: at least the floor; last rows: as many, but a bfloat16 worker's float32
-        # head pads them to the floor too (its rows then hold bitwise, as the bf16 product's do)
-        exact = last and self._lm_head32 is not self._lm_head
-        floor = self._min_rows if targets is not None or exact else 1
+        # prompt logprobs: at least the floor; last rows: as many (`pad_last`: the floor too)
+        floor = self._min_rows if targets is not None or self._pad_last else 1
         if self._tile:  # deterministic: fixed tiles
             tile = self._tile
             padded = -(-rows // tile) * tile
@@ -314,7 +308,7 @@ class OutputHead:
             t = None if targets is None else targets[lo : lo + tile]
             t = t if labels is None else labels[lo : lo + tile]
             v0 = 0 if self._shard is None else self._shard.vocab_start
-            got = head_rows(hn, weight, self._product, kmax, t, v0=v0)
+            got = head_rows(hn, self._lm_head, self._product, kmax, t, v0=v0)
             # parallel: this rank's vocabulary slice, joined with the other ranks'
             parts.append(got if self._shard is None else self._shard.head_rows(got))
             if targets is None:

@@ -167,7 +167,7 @@ class PaddleRunner:
             min_rows=self._floor,
             shard=self._shard,
             product=self._mm.product,
-            lm_head32=weights.lm_head32,
+            pad_last=self._bf16,  # float32 head: rows bitwise from the floor, as bf16 layers
         )
         self._kv_share = self._shard.kv_share()  # parallel: this rank's KV heads of an export
         shape = {

@@ -18,12 +18,12 @@ The layout is the contract with the forward (`paddle.runner`), which relies on i
   layout and are multiplied with `transpose_y`; with experts, `moe` holds a `paddle.moe.MoE`
   instead of `gate_up` / `down`.
 - The RoPE tables are cos and a sign-folded sin, so rotating is `x*cos + roll(x)*sin`.
-- bfloat16 on a CPU (`paddle.gemm.cpu_bf16`): the products' weights (qkv, o, gate_up, down and
-  the LM head) are bfloat16, in HF's `[out, in]` layout, for `paddle.gemm`'s bf16 product;
-  everything else (the embedding, norms, biases, RoPE tables, MoE experts and router) float32,
-  the forward's compute dtype there (Paddle's CPU ops have no bfloat16 kernels). The LM head is
-  kept in float32 too (`DeviceWeights.lm_head32`; tied: the embedding itself) for the
-  next-token rows, one a prompt, which it multiplies exactly (`paddle.head`).
+- bfloat16 on a CPU (`paddle.gemm.cpu_bf16`): the decoder layers' product weights (qkv, o,
+  gate_up, down) are bfloat16, in HF's `[out, in]` layout, for `paddle.gemm`'s bf16 product;
+  everything else (the embedding, the LM head, norms, biases, RoPE tables, MoE experts and
+  router) float32, the forward's compute dtype there (Paddle's CPU ops have no bfloat16
+  kernels). The head in bf16 cost 0.014 of the prompt-logprob p99 against float64 on SmolLM2
+  (docs/performance.md), and it is one product of the forward.
 
 Only worker processes and model-level tests import this module (it imports paddle).
 """
@@ -121,8 +121,6 @@ class DeviceWeights(NamedTuple):
     layers: list[Layer]
     norm: paddle.Tensor  # the final norm's weight
     lm_head: paddle.Tensor  # [vocab (this rank's slice under TP), hidden]; tied: embed's rows
-    # a bfloat16 CPU worker's LM head in float32 (lm_head's values before rounding), else None
-    lm_head32: paddle.Tensor | None = None
 
 
 def load_to_device(
@@ -130,8 +128,8 @@ def load_to_device(
 ) -> DeviceWeights:
     """Move the weights onto the current device as they stream in, layer by layer; only the
     parts and slices `shard` keeps; the linear layers' weights [in, out] with `in_out`; with
-    `bf16` (a bfloat16 CPU worker) the products' weights bfloat16, the rest float32 (and the LM
-    head in both). Call under `paddle.no_grad()`."""
+    `bf16` (a bfloat16 CPU worker) the layers' product weights bfloat16, the rest float32 (the
+    embedding and the LM head too). Call under `paddle.no_grad()`."""
     parts = tuple(p for p in layer_parts(spec) if shard.wants(p))
     pending: dict[int, dict[str, np.ndarray]] = {}
     layers: list[Layer | None] = [None] * spec.num_layers
@@ -149,14 +147,11 @@ def load_to_device(
             layers[layer] = Layer(pending.pop(layer), spec, in_out=in_out, bf16=bf16)
     embed = top["embed"]
     lm_head = top["lm_head"] if "lm_head" in top else shard.vocab_rows(embed)
-    lm_head32 = None
-    if bf16:  # the head in float32 as loaded (tied: the embedding's rows), and rounded
-        lm_head32, lm_head = lm_head, lm_head.astype("bfloat16")
     norm = top["norm"]
     done = [layer for layer in layers if layer is not None]
     if pending or len(done) != spec.num_layers:
         raise InvalidConfig(f"PaddleModel.weights: incomplete layers {sorted(pending)}")
-    return DeviceWeights(embed, done, norm, lm_head, lm_head32)
+    return DeviceWeights(embed, done, norm, lm_head)
 
 
 def rope_tables(
