@@ -210,9 +210,9 @@ def reference(args: argparse.Namespace) -> None:
         with torch.no_grad():
             for p in model.parameters():  # float32 values: one rounding, to nearest even
                 p.copy_(p.to(torch.bfloat16).to(torch.float64))
-    if args.save_bf16:
-        model.to(torch.bfloat16).save_pretrained(args.save_bf16)
-        model.to(torch.float64)
+    if args.save_bf16:  # a copy loaded as bf16 (model.to(bf16) would round RoPE's inv_freq too)
+        bf16 = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.bfloat16)
+        bf16.save_pretrained(args.save_bf16)
         for f in Path(args.hf_dir).iterdir():  # the tokenizer's files, as they are
             if f.name.startswith(("tokenizer", "chat_template", "generation")):
                 shutil.copy(f, Path(args.save_bf16) / f.name)
