@@ -26,7 +26,10 @@ from the same library: bfloat16 inputs, float32 accumulation, float32 output wri
 into the Paddle tensor (AMX where the CPU has it, avx512_bf16 otherwise). Its rows are bitwise
 batch-invariant from 2 rows (measured for SmolLM2's shapes at 1 and 2 threads while designing
 issue 35; `paddle.rows` checks it at start, the tests bitwise), so the tiles and the row floor
-hold as for sgemm. `per_head` (attention) stays float32.
+hold as for sgemm. `per_head` (attention) stays float32. With `split=True` (the runner's first
+layer: `paddle.runner._BF16X2_LAYERS`) x goes as bf16x2, hi = bf16(x) and lo = bf16(x - hi), in
+two products into the same output (the second with beta=1): x's rounding error drops from 2^-9
+to ~2^-17 of each value at twice that product's cost.
 
 Batch invariance: with `tile_rows` (`deterministic=True`) `linear` and `project` multiply fixed
 tiles of that many rows, each written in place into the output (no split, no concat), so no
@@ -110,33 +113,22 @@ def cpu_bf16(dtype: str, device: str) -> bool:
 
 class _Bf16Cast:
     """float32 tensor -> its values rounded to bfloat16 (round to nearest even), as uint16 bits
-    in a kept, grow-only buffer (one per `Products`: products run one at a time). Bitwise
+    in kept, grow-only buffers (one set per `Products`: products run one at a time). Bitwise
     Paddle's cast (checked in the study), 3x faster; NaNs are not expected in activations.
     `split`: also the rest, x - hi, rounded to bfloat16 the same way (bf16x2: hi + lo carry x
     to ~2^-17 of its value, where hi alone carries it to 2^-9)."""
 
     def __init__(self) -> None:
-        self._u16 = np.empty(0, np.uint16)
-        self._u32 = np.empty(0, np.uint32)
-        self._lo = np.empty(0, np.uint16)
-        self._rest = np.empty(0, np.float32)
+        self._bufs: dict[str, np.ndarray] = {}
 
-    def __call__(self, x: paddle.Tensor) -> int:
-        """The address of x's bf16 bits (valid until the next call)."""
-        return int(self._round(np.from_dlpack(x).reshape(-1).view(np.uint32)).ctypes.data)
+    def _buf(self, name: str, n: int, dtype: type) -> np.ndarray:
+        b = self._bufs.get(name)
+        if b is None or b.size < n:
+            b = self._bufs[name] = np.empty(n, dtype)
+        return b[:n]
 
-    def _round(self, u: np.ndarray, lo: bool = False) -> np.ndarray:
-        n = u.size
-        if self._u32.size < n:
-            self._u32 = np.empty(n, np.uint32)
-        buf = self._lo if lo else self._u16
-        if buf.size < n:
-            buf = np.empty(n, np.uint16)
-            if lo:
-                self._lo = buf
-            else:
-                self._u16 = buf
-        t, o = self._u32[:n], buf[:n]
+    def _round(self, u: np.ndarray, name: str) -> np.ndarray:
+        t, o = self._buf("u32", u.size, np.uint32), self._buf(name, u.size, np.uint16)
         np.right_shift(u, 16, out=t)
         np.bitwise_and(t, 1, out=t)
         np.add(t, 0x7FFF, out=t)
@@ -145,20 +137,20 @@ class _Bf16Cast:
         np.copyto(o, t, casting="unsafe")
         return o
 
+    def __call__(self, x: paddle.Tensor) -> int:
+        """The address of x's bf16 bits (valid until the next call)."""
+        return int(self._round(np.from_dlpack(x).reshape(-1).view(np.uint32), "hi").ctypes.data)
+
     def split(self, x: paddle.Tensor) -> tuple[int, int]:
         """The addresses of hi's and lo's bf16 bits (valid until the next call)."""
         u = np.from_dlpack(x).reshape(-1).view(np.uint32)
-        hi = self._round(u)
-        n = u.size
-        if self._rest.size < n:
-            self._rest = np.empty(n, np.float32)
-        rest = self._rest[:n]
+        hi = self._round(u, "hi")
+        rest = self._buf("rest", u.size, np.float32)
         r32 = rest.view(np.uint32)
         np.copyto(r32, hi)
         np.left_shift(r32, 16, out=r32)  # hi's values
         np.subtract(u.view(np.float32), rest, out=rest)  # exact: x - hi
-        lo = self._round(rest.view(np.uint32), lo=True)
-        return int(hi.ctypes.data), int(lo.ctypes.data)
+        return int(hi.ctypes.data), int(self._round(r32, "lo").ctypes.data)
 
 
 def _set_openmp_threads(threads: int) -> None:

@@ -8,10 +8,7 @@ per sequence (a block-diagonal mask over the whole batch costs O(tokens^2) on CP
 cache, a batch's plan reads and writes block slots (`paddle.prefix`, `prefix_blocks`). The weights
 come from `paddle.weights`, laid out for this forward (q/k/v heads-major in one tensor, queries
 pre-scaled, a sign-folded RoPE sin): that module's docstring is the contract. bfloat16 on a CPU:
-bf16 products (`paddle.gemm`), float32 everywhere else; K/V rounded to bf16 after RoPE with
-`deterministic=True` (a prefix-cache hit is then the miss bitwise), by default only as they
-leave for a prefix-cache slot or a KV export (a hit is the miss within bf16 rounding: the miss
-attended to the float32 K/V; docs/configuration.md, "dtype").
+bf16 products (`paddle.gemm`), float32 elsewhere; its K/V and invariants: docs/configuration.md.
 
 Batch invariance. A request's result must not depend on its batch-mates. Attention is per
 sequence and norms and element-wise ops are per row, so batching leaks in through the matrix
@@ -83,9 +80,7 @@ _TILE_ROWS = 64
 _HEAD_TILE_ROWS = 16
 # ... and attention runs queries in tiles of this many absolute positions (paddle.attention).
 _ATTN_TILE = 64
-# bfloat16 on a CPU: the first this many layers' products take their activations as bf16x2 (hi +
-# lo, two bf16 products: `Products(split=True)`), the others as bf16 (docs/performance.md).
-_BF16X2_LAYERS = 1
+_BF16X2_LAYERS = 1  # bf16 on a CPU: this many first layers' products on bf16x2 (Products split)
 
 
 def _pick_device(spec: PaddleModel, worker_index: int, grouped: bool = False) -> str:
@@ -145,9 +140,7 @@ class PaddleRunner:
         self._embed, self._layers = weights.embed, weights.layers
         self._cache: dict[int, KVCache] = {}
         self._deterministic = spec.deterministic
-        # bf16 K/V: deterministic rounds them where they are made (a prefix-cache hit and a KV
-        # export then hold exactly what the miss attended to); the default attends to float32
-        # K/V and rounds only what leaves for a slot or an export (prefix_blocks.bf16_bits)
+        # bf16 K/V rounded where made (hit == miss bitwise), else only as stored: configuration.md
         self._round_kv = self._bf16 and spec.deterministic
         # products: oneDNN on a CPU (paddle.gemm); fixed row tiles, or >= _floor rows (paddle.rows)
         threads, first = spec.num_threads, self._layers[0]
@@ -259,8 +252,7 @@ class PaddleRunner:
                 )
 
     def _linear(self, x: paddle.Tensor, w: paddle.Tensor, split: bool = False) -> paddle.Tensor:
-        """x @ w.T; deterministic: in tiles of _TILE_ROWS rows (x's rows are a multiple of it).
-        `split`: a bf16 weight's activations as bf16x2 (`_BF16X2_LAYERS`)."""
+        """x @ w.T (tiled: `_TILE_ROWS` rows at a time); `split`: bf16x2 (`_BF16X2_LAYERS`)."""
         return self._mm.linear(x, w, split=split)
 
     def _project(self, x: paddle.Tensor, w: paddle.Tensor, split: bool = False) -> paddle.Tensor:
@@ -321,9 +313,7 @@ class PaddleRunner:
             qk = rope(qk)  # in place on a CPU
             q = qk[:heads].reshape([kv_heads, heads // kv_heads, rows, dim])
             k, v = qk[heads:], qkv[qk_heads:]
-            if (
-                self._round_kv
-            ):  # K/V as a bf16 cache holds them: a hit reads what a miss attended to
+            if self._round_kv:  # K/V as a bf16 slot holds them: a hit reads what was attended to
                 k, v = round_bf16_(k), round_bf16_(v)
             outs = []
             for i, ((a, b), cache, last) in enumerate(zip(bounds, caches, is_last, strict=True)):
@@ -346,15 +336,8 @@ class PaddleRunner:
                 self._cache.pop(rid, None)
                 continue
             if self._store is not None:  # the unfinished block, for the next chunk's write
-                keep_tail(
-                    cache,
-                    x,
-                    batch.tokens,
-                    bounds[i][0],
-                    starts[i],
-                    ends[i],
-                    self._store.block_tokens,
-                )
+                b = self._store.block_tokens
+                keep_tail(cache, x, batch.tokens, bounds[i][0], starts[i], ends[i], b)
             cache.length = ends[i]
             self._cache[rid] = cache
         out = self._outputs(x, batch, prefixes)
