@@ -16,6 +16,10 @@ tok/CPU-s (the machine is shared: CPU time is the steadier figure).
     # the float64 reference (committed as results/model/bf16_reference_f64.npz), in a venv with
     # torch + transformers, from SmolLM2 as an HF float32 directory (the GGUF dequantized):
     .ref-venv/bin/python benchmarks/bench_bf16.py reference --hf-dir DIR --out FILE
+    # a checkpoint that is bf16 (as the published SmolLM2): its reference and an HF bf16 dir, then
+    .ref-venv/bin/python benchmarks/bench_bf16.py reference --hf-dir DIR --round-bf16 \
+        --save-bf16 BF16DIR --out REF
+    python benchmarks/bench_bf16.py --model BF16DIR --reference REF
     # a vLLM OpenAI server already started on the same model (docs/performance.md):
     python benchmarks/bench_bf16.py vllm --url http://127.0.0.1:PORT --label bfloat16
 """
