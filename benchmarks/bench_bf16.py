@@ -16,6 +16,10 @@ tok/CPU-s (the machine is shared: CPU time is the steadier figure).
     # the float64 reference (committed as results/model/bf16_reference_f64.npz), in a venv with
     # torch + transformers, from SmolLM2 as an HF float32 directory (the GGUF dequantized):
     .ref-venv/bin/python benchmarks/bench_bf16.py reference --hf-dir DIR --out FILE
+    # a checkpoint that is bf16 (as the published SmolLM2): its reference and an HF bf16 dir, then
+    .ref-venv/bin/python benchmarks/bench_bf16.py reference --hf-dir DIR --round-bf16 \
+        --save-bf16 BF16DIR --out REF
+    python benchmarks/bench_bf16.py --model BF16DIR --reference REF
     # a vLLM OpenAI server already started on the same model (docs/performance.md):
     python benchmarks/bench_bf16.py vllm --url http://127.0.0.1:PORT --label bfloat16
 """
@@ -79,12 +83,13 @@ def run_aioprefill(args: argparse.Namespace) -> None:
     from aioprefill.workers.paddle.runner import PaddleRunner
     from tests.hf.smollm2 import gguf_path
 
+    model = args.model or str(gguf_path())
     print(f"# CPU: {cpu_line()}")
-    print(f"# aioprefill PaddleRunner, SmolLM2-135M GGUF, 1 thread, {args.rounds} rounds A B B A")
+    print(f"# aioprefill PaddleRunner, {args.model or 'SmolLM2-135M GGUF'}, 1 thread, "
+          f"{args.rounds} rounds A B B A; reference {args.reference}")  # fmt: skip
     dtypes = ("float32", "bfloat16")
     runners = {
-        d: PaddleRunner(PaddleModel.from_pretrained(gguf_path(), device="cpu", dtype=d))
-        for d in dtypes
+        d: PaddleRunner(PaddleModel.from_pretrained(model, device="cpu", dtype=d)) for d in dtypes
     }
     sets = workloads(args.workloads.split(","))
     ref = np.load(args.reference)
@@ -99,7 +104,7 @@ def run_aioprefill(args: argparse.Namespace) -> None:
             print(f"{name:7s} {d:9s} vs float64: {got}")
         timed = prompts[: args.time_prompts] if name == "64x280" else prompts
         tokens = sum(len(p) for p in timed)
-        for task in ("next", "score"):
+        for task in ("next", "score") if args.rounds else ():  # --rounds 0: accuracy only
             work = batches(timed, per, task == "score")
             wall: dict[str, list[float]] = {d: [] for d in dtypes}
             cpu: dict[str, list[float]] = {d: [] for d in dtypes}
@@ -194,12 +199,27 @@ def _prompt_logprobs(choice: dict, prompt: np.ndarray) -> list[float]:
 
 
 def reference(args: argparse.Namespace) -> None:
-    """transformers' float64 forward (run in a venv with torch + transformers)."""
+    """transformers' float64 forward (run in a venv with torch + transformers). `--round-bf16`:
+    of the weights rounded to bfloat16 first (a checkpoint that is bf16, as the published
+    SmolLM2; `--save-bf16 DIR` writes it as a bfloat16 HF directory for both engines)."""
+    import shutil
+    from pathlib import Path
+
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float64).eval()
+    if args.round_bf16:
+        with torch.no_grad():
+            for p in model.parameters():  # float32 values: one rounding, to nearest even
+                p.copy_(p.to(torch.bfloat16).to(torch.float64))
+    if args.save_bf16:  # a copy loaded as bf16 (model.to(bf16) would round RoPE's inv_freq too)
+        bf16 = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.bfloat16)
+        bf16.save_pretrained(args.save_bf16)
+        for f in Path(args.hf_dir).iterdir():  # the tokenizer's files, as they are
+            if f.name.startswith(("tokenizer", "chat_template", "generation")):
+                shutil.copy(f, Path(args.save_bf16) / f.name)
     out = {}
     for name, prompts in workloads(args.workloads.split(",")).items():
         toks, lps, plps = [], [], []
@@ -227,7 +247,10 @@ def main() -> None:
     p.add_argument("--workloads", default="64x280,real12")
     p.add_argument("--reference", default=str(REFERENCE))
     p.add_argument("--hf-dir", default="")
+    p.add_argument("--model", default="", help="aioprefill: a checkpoint (default: the GGUF)")
     p.add_argument("--out", default=str(REFERENCE))
+    p.add_argument("--round-bf16", action="store_true", help="reference: bf16 weights")
+    p.add_argument("--save-bf16", default="", help="reference: write them as an HF dir")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="vllm: the server")
     p.add_argument("--served-model", default="smollm2")
     p.add_argument("--label", default="", help="vllm: a name for its dtype in the output")

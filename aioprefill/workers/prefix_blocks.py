@@ -7,9 +7,9 @@ named. A slot holds one block of `block_tokens` prompt positions:
 - per layer, this rank's KV heads' keys (after RoPE) and values, `[kv_heads, block_tokens,
   head_dim]` in the model's dtype (`kv_dtype`: float32; a bfloat16 model's as uint16 bits, a
   float16 model's as float16: half the bytes, so ~1.9x the tokens per byte of slots for
-  SmolLM2): `write_kv` narrows the float32 arrays it is given (values already of that dtype,
-  so exactly: a bfloat16 CPU worker rounds K/V to bfloat16 where they are made) and `read_kv`
-  widens them back to float32 exactly;
+  SmolLM2): `write_kv` narrows the float32 arrays it is given (round to nearest even: exact
+  where they hold values of that dtype already, as a deterministic bfloat16 CPU worker's K/V,
+  rounded where they are made) and `read_kv` widens them back to float32 exactly;
 - the final hidden state (before the final norm) of every position, float32 `[block_tokens,
   hidden]`: what prompt log-probabilities, prompt top-k and mean pooling over cached positions
   are computed from (the head and the norm run on these rows exactly as on computed ones), so a
@@ -43,7 +43,7 @@ import numpy as np
 
 from aioprefill.workers.runner import ForwardBatch
 
-__all__ = ["SCORED_TOP_K", "BatchPlan", "BlockStore"]
+__all__ = ["SCORED_TOP_K", "BatchPlan", "BlockStore", "bf16_bits"]
 
 # The most prompt top-k a slot keeps per position (OpenAI's `logprobs` stops at 20).
 SCORED_TOP_K = 20
@@ -51,10 +51,17 @@ SCORED_TOP_K = 20
 _KV_NUMPY: dict[str, type] = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
-def _bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 values that are bfloat16 values -> their uint16 bits (the high halves)."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    return (a.view(np.uint32) >> 16).astype(np.uint16)
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 values -> the bits of the nearest bfloat16 (round to nearest even, as Paddle's
+    cast; NaNs stay NaN): exactly the high halves where the values are bfloat16 values already
+    (what a deterministic bfloat16 CPU worker's K/V are; a default one rounds them only here,
+    as they leave for a slot or a KV export: `paddle.runner`)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    bits = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    nan = np.isnan(u.view(np.float32))
+    if nan.any():  # a payload in the low half would have carried into the exponent
+        bits[nan] = np.uint16(0x7FC0)
+    return bits
 
 
 def _widen_bf16(bits: np.ndarray) -> np.ndarray:
@@ -157,8 +164,8 @@ class BlockStore:
         """Store `[kv_heads, n * B, head_dim]` keys and values as blocks into `slots`."""
         heads, _, dim = keys.shape
         shape = (heads, len(slots), self.block_tokens, dim)
-        if self._kv_np is np.uint16:  # values already bfloat16: their high halves, exactly
-            keys, values = _bf16_bits(keys), _bf16_bits(values)
+        if self._kv_np is np.uint16:  # bfloat16 bits, rounded (exact for bfloat16 values)
+            keys, values = bf16_bits(keys), bf16_bits(values)
         self.keys[layer][:, slots] = keys.reshape(shape)
         self.values[layer][:, slots] = values.reshape(shape)
 

@@ -1,9 +1,12 @@
 """bfloat16 on the CPU (`PaddleModel.dtype="bfloat16"`): bf16 weights and products (oneDNN's
-`dnnl_gemm_bf16bf16f32`, float32 accumulation), K/V rounded to bf16 after RoPE, everything else
-float32. Its answers against the float32 model's, batch invariance (bitwise with
-deterministic=True), the output options, the `host()` widening, the KV export's bits, the slots'
-sizes, and the dtype policy (`auto`, refusals). The prefix-cache hit == miss checks run in
-tests/model/test_prefix_cache.py's bf16 modes."""
+`dnnl_gemm_bf16bf16f32`, float32 accumulation; the first layer's activations as bf16x2), the
+next-token rows' LM head and the embedding in float32, K/V rounded to bf16 after RoPE with
+deterministic=True (by default only as they leave for a slot or an export), everything else
+float32. Its answers against the float32 model's, batch invariance (bitwise in both modes), the
+output options, the `host()` widening, the KV export's and the slots' rounding, the slots' sizes,
+and the dtype policy (`auto`, refusals). The prefix-cache hit == miss checks (bitwise with
+deterministic=True, within bf16 rounding by default) run in tests/model/test_prefix_cache.py's
+bf16 modes."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from aioprefill.workers.paddle.attention import _copy_kv
 from aioprefill.workers.paddle.head import host
 from aioprefill.workers.paddle.ops import round_bf16_
 from aioprefill.workers.paddle.runner import PaddleRunner
-from aioprefill.workers.prefix_blocks import BlockStore
+from aioprefill.workers.prefix_blocks import BlockStore, bf16_bits
 from tests.model.batches import make_batch, prompts, small
 from tests.model.prefix import ALL, LAST, with_options
 
@@ -67,6 +70,50 @@ def test_bf16_products_are_float32_sums_of_bf16_inputs() -> None:
     heads = paddle.to_tensor(w.reshape(2, 40, 96).transpose(0, 2, 1).copy()).astype("bfloat16")
     proj = np.from_dlpack(gemm.Products("cpu", 1, None).project(paddle.to_tensor(x), heads))
     assert np.abs(proj - want.reshape(37, 2, 40).transpose(1, 0, 2)).max() <= 1e-4
+
+
+@needs_bf16
+def test_bf16x2_products_carry_the_activations_to_float32() -> None:
+    """`split=True`: x as hi + lo, two bf16 products added in place: the weights' rounding is
+    left, the activations' (2^-9 of each value) is not; rows as batch-invariant as one product."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((48, 96)).astype(np.float32)
+    w = rng.standard_normal((80, 96)).astype(np.float32)
+    wb = paddle.to_tensor(w).astype("bfloat16")
+    want = x.astype(np.float64) @ _widen(_bf16_bits(w)).astype(np.float64).T  # weights rounded
+    mm = gemm.Products("cpu", 1, None, in_out=False)
+    one = np.from_dlpack(mm.linear(paddle.to_tensor(x), wb))
+    two = np.from_dlpack(mm.linear(paddle.to_tensor(x), wb, split=True))
+    assert np.abs(two - want).max() <= 1e-5 * np.abs(want).max() < np.abs(one - want).max()
+    assert np.array_equal(np.from_dlpack(mm.product(paddle.to_tensor(x), wb, split=True)), two)
+    tail = np.from_dlpack(mm.linear(paddle.to_tensor(x[-16:]), wb, split=True))
+    assert np.array_equal(tail, two[-16:])  # a row's bits whatever the row count (from 16)
+    heads = paddle.to_tensor(w.reshape(2, 40, 96).transpose(0, 2, 1).copy()).astype("bfloat16")
+    proj = np.from_dlpack(mm.project(paddle.to_tensor(x), heads, split=True))
+    assert (
+        np.abs(proj - want.reshape(48, 2, 40).transpose(1, 0, 2)).max() <= 1e-5 * np.abs(want).max()
+    )
+
+
+def test_slots_and_exports_round_to_nearest_even() -> None:
+    """Float32 K/V that are not bf16 values (a default-mode bf16 worker's) are rounded as
+    Paddle's cast rounds them, not truncated; bf16 values pass exactly; NaNs stay NaN."""
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((3, 40, 8)).astype(np.float32)
+    want = _bf16_bits(a)
+    assert np.array_equal(bf16_bits(a), want)
+    cast = paddle.to_tensor(a).astype("bfloat16").astype("float32").numpy()
+    assert np.array_equal(_widen(want), cast)
+    assert np.array_equal(bf16_bits(_widen(want)), want)  # exact for bf16 values
+    assert np.isnan(_widen(bf16_bits(np.array([np.nan, 1.0], np.float32)))[0])
+    dst = np.zeros(a.shape, np.uint16)
+    _copy_kv(dst, paddle.to_tensor(a))
+    assert np.array_equal(dst, want)
+    dims = {"num_layers": 1, "kv_heads": 3, "head_dim": 8, "hidden_size": 4}
+    store = BlockStore(2, **dims, block_tokens=20, kv_dtype="bfloat16")
+    store.write_kv(0, np.array([1, 0]), a, -a)
+    k, v = store.read_kv(0, np.array([1, 0]))
+    assert np.array_equal(k, cast) and np.array_equal(v, -cast)
 
 
 def test_round_bf16_matches_paddles_cast_and_keeps_nans() -> None:
@@ -120,6 +167,8 @@ def test_bf16_answers_near_float32_and_batch_invariant(deterministic: bool) -> N
     opts = [ALL, LAST, PLP_TOP, ALL]
     batch = with_options(make_batch(ps), opts, [3] * 4)
     got, want = r.forward(batch), f.forward(batch)
+    assert r._outputs._lm_head.dtype == paddle.float32  # the head multiplies in float32
+    assert r._layers[0].gate_up.dtype == paddle.bfloat16
     for name in ("logprobs", "prompt_logprobs", "embeddings"):  # as the float32 model's
         assert getattr(got, name).dtype == getattr(want, name).dtype
     assert np.array_equal(got.tokens, want.tokens)
@@ -135,8 +184,11 @@ def test_bf16_answers_near_float32_and_batch_invariant(deterministic: bool) -> N
 
 
 @needs_bf16
-def test_chunks_equal_the_whole_prompt_bitwise() -> None:
-    r = runner("bfloat16", True)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_chunks_equal_the_whole_prompt_bitwise(deterministic: bool) -> None:
+    """Both modes: the default keeps a prompt's earlier chunks' K/V in float32 (as attended),
+    deterministic rounded, and each mode attends to the same values whole or in chunks."""
+    r = runner("bfloat16", deterministic)
     p = prompts(np.random.default_rng(6), [130], 512)[0]
     whole = r.forward(with_options(make_batch([p], ids=[1]), [PLP_TOP], [3]))
     plps = []

@@ -16,6 +16,7 @@ from aioprefill.workers.kv_writer import KVSegmentWriter
 from aioprefill.workers.paddle.gemm import Products
 from aioprefill.workers.paddle.head import host
 from aioprefill.workers.paddle.ops import causal_softmax_
+from aioprefill.workers.prefix_blocks import bf16_bits
 
 __all__ = ["KVCache", "attend", "export_layer"]
 
@@ -158,12 +159,12 @@ def export_layer(
 
 def _copy_kv(dst: np.ndarray, t: paddle.Tensor) -> None:
     """One part of an export: a bfloat16 model's K/V as their bits (`wire.kv`: uint16 segments;
-    a CPU worker's float32 tensors hold bfloat16 values, whose high halves are the bits exactly;
-    a GPU's bfloat16 tensors give theirs from `.numpy()`), any other dtype's values."""
+    a CPU worker's float32 tensors rounded to nearest even, exact where they hold bfloat16
+    values already (deterministic mode); a GPU's bfloat16 tensors give theirs from `.numpy()`),
+    any other dtype's values."""
     if dst.dtype != np.uint16:
         np.copyto(dst, host(t))
     elif t.dtype == paddle.bfloat16:
         np.copyto(dst, t.numpy())
     else:
-        bits = np.right_shift(np.ascontiguousarray(host(t), dtype=np.float32).view(np.uint32), 16)
-        np.copyto(dst, bits, casting="unsafe")
+        np.copyto(dst, bf16_bits(host(t)))

@@ -26,7 +26,10 @@ from the same library: bfloat16 inputs, float32 accumulation, float32 output wri
 into the Paddle tensor (AMX where the CPU has it, avx512_bf16 otherwise). Its rows are bitwise
 batch-invariant from 2 rows (measured for SmolLM2's shapes at 1 and 2 threads while designing
 issue 35; `paddle.rows` checks it at start, the tests bitwise), so the tiles and the row floor
-hold as for sgemm. `per_head` (attention) stays float32.
+hold as for sgemm. `per_head` (attention) stays float32. With `split=True` (the runner's first
+layer: `paddle.runner._BF16X2_LAYERS`) x goes as bf16x2, hi = bf16(x) and lo = bf16(x - hi), in
+two products into the same output (the second with beta=1): x's rounding error drops from 2^-9
+to ~2^-17 of each value at twice that product's cost.
 
 Batch invariance: with `tile_rows` (`deterministic=True`) `linear` and `project` multiply fixed
 tiles of that many rows, each written in place into the output (no split, no concat), so no
@@ -110,27 +113,44 @@ def cpu_bf16(dtype: str, device: str) -> bool:
 
 class _Bf16Cast:
     """float32 tensor -> its values rounded to bfloat16 (round to nearest even), as uint16 bits
-    in a kept, grow-only buffer (one per `Products`: products run one at a time). Bitwise
-    Paddle's cast (checked in the study), 3x faster; NaNs are not expected in activations."""
+    in kept, grow-only buffers (one set per `Products`: products run one at a time). Bitwise
+    Paddle's cast (checked in the study), 3x faster; NaNs are not expected in activations.
+    `split`: also the rest, x - hi, rounded to bfloat16 the same way (bf16x2: hi + lo carry x
+    to ~2^-17 of its value, where hi alone carries it to 2^-9)."""
 
     def __init__(self) -> None:
-        self._u16 = np.empty(0, np.uint16)
-        self._u32 = np.empty(0, np.uint32)
+        self._bufs: dict[str, np.ndarray] = {}
 
-    def __call__(self, x: paddle.Tensor) -> int:
-        """The address of x's bf16 bits (valid until the next call)."""
-        n = int(np.prod(x.shape))
-        if self._u16.size < n:
-            self._u16, self._u32 = np.empty(n, np.uint16), np.empty(n, np.uint32)
-        u = np.from_dlpack(x).reshape(-1).view(np.uint32)
-        t, o = self._u32[:n], self._u16[:n]
+    def _buf(self, name: str, n: int, dtype: type) -> np.ndarray:
+        b = self._bufs.get(name)
+        if b is None or b.size < n:
+            b = self._bufs[name] = np.empty(n, dtype)
+        return b[:n]
+
+    def _round(self, u: np.ndarray, name: str) -> np.ndarray:
+        t, o = self._buf("u32", u.size, np.uint32), self._buf(name, u.size, np.uint16)
         np.right_shift(u, 16, out=t)
         np.bitwise_and(t, 1, out=t)
         np.add(t, 0x7FFF, out=t)
         np.add(t, u, out=t)
         np.right_shift(t, 16, out=t)
         np.copyto(o, t, casting="unsafe")
-        return int(o.ctypes.data)
+        return o
+
+    def __call__(self, x: paddle.Tensor) -> int:
+        """The address of x's bf16 bits (valid until the next call)."""
+        return int(self._round(np.from_dlpack(x).reshape(-1).view(np.uint32), "hi").ctypes.data)
+
+    def split(self, x: paddle.Tensor) -> tuple[int, int]:
+        """The addresses of hi's and lo's bf16 bits (valid until the next call)."""
+        u = np.from_dlpack(x).reshape(-1).view(np.uint32)
+        hi = self._round(u, "hi")
+        rest = self._buf("rest", u.size, np.float32)
+        r32 = rest.view(np.uint32)
+        np.copyto(r32, hi)
+        np.left_shift(r32, 16, out=r32)  # hi's values
+        np.subtract(u.view(np.float32), rest, out=rest)  # exact: x - hi
+        return int(hi.ctypes.data), int(self._round(r32, "lo").ctypes.data)
 
 
 def _set_openmp_threads(threads: int) -> None:
@@ -191,21 +211,28 @@ class Products:
             return self._bgemm is not None
         return self._sgemm is not None and w.dtype == paddle.float32
 
-    def _gemm(self, x: paddle.Tensor, w: paddle.Tensor) -> tuple[ctypes._CFuncPtr, int, int, int]:  # type: ignore[name-defined]
-        """(gemm, x's address, x's and w's element sizes): x rounded to bf16 for a bf16 w."""
+    def _gemm(
+        self, x: paddle.Tensor, w: paddle.Tensor, split: bool
+    ) -> tuple[ctypes._CFuncPtr, list[tuple[int, float]], int, int]:  # type: ignore[name-defined]
+        """(gemm, passes, x's and w's element sizes): a pass is (x's address, beta). x rounded
+        to bf16 for a bf16 w: one pass, or with `split` two (hi, then lo added: bf16x2)."""
         if w.dtype == paddle.bfloat16:
             assert self._bgemm is not None
-            return self._bgemm, self._cast(x), _BF16, _BF16
+            if split:
+                hi, lo = self._cast.split(x)
+                return self._bgemm, [(hi, 0.0), (lo, 1.0)], _BF16, _BF16
+            return self._bgemm, [(self._cast(x), 0.0)], _BF16, _BF16
         assert self._sgemm is not None
-        return self._sgemm, x.data_ptr(), _FLOAT, _FLOAT
+        return self._sgemm, [(x.data_ptr(), 0.0)], _FLOAT, _FLOAT
 
-    def product(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
-        """[rows, k] x [n, k] -> [rows, n] = x @ w.T, as one product."""
+    def product(self, x: paddle.Tensor, w: paddle.Tensor, *, split: bool = False) -> paddle.Tensor:
+        """[rows, k] x [n, k] -> [rows, n] = x @ w.T, as one product. `split` (a bf16 w): x as
+        bf16x2, hi and lo, two products (here and in `linear`, `project`)."""
         if not self._fast(x, w):
             return paddle.matmul(x, w, transpose_y=True)
-        return self._xw(x, w, x.shape[0], transposed=True)
+        return self._xw(x, w, x.shape[0], transposed=True, split=split)
 
-    def linear(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    def linear(self, x: paddle.Tensor, w: paddle.Tensor, *, split: bool = False) -> paddle.Tensor:
         """A linear layer: x @ w ([in, out] weights: `in_out`) or x @ w.T (HF's [out, in]);
         with tiles, `tile_rows` rows at a time (x's rows are a multiple of it)."""
         tile, ty = self._tile, not self.in_out
@@ -214,9 +241,9 @@ class Products:
                 return paddle.matmul(x, w, transpose_y=ty)
             parts = paddle.split(x, x.shape[0] // tile)
             return paddle.concat([paddle.matmul(t, w, transpose_y=ty) for t in parts])
-        return self._xw(x, w, tile or x.shape[0], transposed=ty)
+        return self._xw(x, w, tile or x.shape[0], transposed=ty, split=split)
 
-    def project(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    def project(self, x: paddle.Tensor, w: paddle.Tensor, *, split: bool = False) -> paddle.Tensor:
         """[rows, hidden] x [heads, hidden, dim] -> [heads, rows, dim]; tiled like `linear`."""
         tile = self._tile
         if not self._fast(x, w):
@@ -230,18 +257,19 @@ class Products:
         out = paddle.empty([heads, rows, dim], dtype=x.dtype)
         if rows == 0:
             return out
-        sgemm, xp, xs, ws = self._gemm(x, w)
+        sgemm, passes, xs, ws = self._gemm(x, w, split)
         wp, op = w.data_ptr(), out.data_ptr()
         # One product per head writes its [block, dim] part of the output in place: the
         # heads-major layout attention reads, with no transpose. Row blocks outside, heads
         # inside: a block of x is read from cache by every head (one product per head over all
         # rows re-read x from memory 15 times: q/k/v ran at 154 GFLOP/s against 205 for o/MLP).
         for lo, m in _blocks(rows, tile):
-            a = xp + lo * k * xs
             for h in range(heads):
                 c = op + (h * rows + lo) * dim * _FLOAT
                 b = wp + h * k * dim * ws
-                _check(sgemm(b"N", b"N", m, dim, k, 1.0, a, k, b, dim, 0.0, c, dim))
+                for xp, beta in passes:
+                    a = xp + lo * k * xs
+                    _check(sgemm(b"N", b"N", m, dim, k, 1.0, a, k, b, dim, beta, c, dim))
         return out
 
     def per_head(
@@ -270,7 +298,7 @@ class Products:
         return out
 
     def _xw(
-        self, x: paddle.Tensor, w: paddle.Tensor, step: int, *, transposed: bool
+        self, x: paddle.Tensor, w: paddle.Tensor, step: int, *, transposed: bool, split: bool
     ) -> paddle.Tensor:
         """x @ w.T (`transposed`: w [n, k]) or x @ w (w [k, n]), `step` rows a product."""
         x, w = _contiguous(x), _contiguous(w)
@@ -279,13 +307,13 @@ class Products:
         out = paddle.empty([rows, n], dtype=x.dtype)
         if rows == 0:
             return out
-        sgemm, xp, xs, _ = self._gemm(x, w)
+        sgemm, passes, xs, _ = self._gemm(x, w, split)
         wp, op = w.data_ptr(), out.data_ptr()
         tb, ldb = (b"T", k) if transposed else (b"N", n)
         for lo in range(0, rows, step):
-            m = min(step, rows - lo)
-            a, c = xp + lo * k * xs, op + lo * n * _FLOAT
-            _check(sgemm(b"N", tb, m, n, k, 1.0, a, k, wp, ldb, 0.0, c, n))
+            m, c = min(step, rows - lo), op + lo * n * _FLOAT
+            for xp, beta in passes:
+                _check(sgemm(b"N", tb, m, n, k, 1.0, xp + lo * k * xs, k, wp, ldb, beta, c, n))
         return out
 
 

@@ -74,13 +74,17 @@ class OutputHead:
         min_rows: int = 1,
         shard: Shard | None = None,
         product: Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor] | None = None,
+        pad_last: bool = False,
     ) -> None:
         """`rms_norm`: the final norm's kernel (`paddle.norm.rms_norm_for`). `shard`: under
         tensor parallelism `lm_head` is this rank's vocabulary slice, and each tile's per-row
         results are joined across the ranks (`Shard.head_rows`). `product(x, w)` is x @ w.T
         (`paddle.gemm.Products.product`; default Paddle's matmul). Prompt log-probabilities run
-        on tiles of at least `min_rows` rows (zero rows added; `paddle.rows`)."""
+        on tiles of at least `min_rows` rows (zero rows added; `paddle.rows`), and with
+        `pad_last` (a bfloat16 CPU worker, whose rows are otherwise bitwise batch-invariant)
+        the last rows too."""
         self._lm_head = lm_head
+        self._pad_last = pad_last
         self._shard = shard if shard is not None and shard.tp_size > 1 else None
         self._norm, self._eps, self._rms_norm = norm, eps, rms_norm
         self._product = product or _matmul_t
@@ -283,7 +287,8 @@ class OutputHead:
         final-norm rows (float32 [rows, hidden]; None with `targets`, which never need them)
         and the head's per-row results; `labels` [rows, m] (last rows): their logits picked."""
         rows = h.shape[0]
-        floor = self._min_rows if targets is not None else 1  # prompt logprobs; last rows: as many
+        # prompt logprobs: at least the floor; last rows: as many (`pad_last`: the floor too)
+        floor = self._min_rows if targets is not None or self._pad_last else 1
         if self._tile:  # deterministic: fixed tiles
             tile = self._tile
             padded = -(-rows // tile) * tile

@@ -8,7 +8,7 @@ per sequence (a block-diagonal mask over the whole batch costs O(tokens^2) on CP
 cache, a batch's plan reads and writes block slots (`paddle.prefix`, `prefix_blocks`). The weights
 come from `paddle.weights`, laid out for this forward (q/k/v heads-major in one tensor, queries
 pre-scaled, a sign-folded RoPE sin): that module's docstring is the contract. bfloat16 on a CPU:
-bf16 products (`paddle.gemm`), K/V rounded to bf16 after RoPE, float32 everywhere else.
+bf16 products (`paddle.gemm`), float32 elsewhere; its K/V and invariants: docs/configuration.md.
 
 Batch invariance. A request's result must not depend on its batch-mates. Attention is per
 sequence and norms and element-wise ops are per row, so batching leaks in through the matrix
@@ -80,6 +80,7 @@ _TILE_ROWS = 64
 _HEAD_TILE_ROWS = 16
 # ... and attention runs queries in tiles of this many absolute positions (paddle.attention).
 _ATTN_TILE = 64
+_BF16X2_LAYERS = 1  # bf16 on a CPU: this many first layers' products on bf16x2 (Products split)
 
 
 def _pick_device(spec: PaddleModel, worker_index: int, grouped: bool = False) -> str:
@@ -139,6 +140,8 @@ class PaddleRunner:
         self._embed, self._layers = weights.embed, weights.layers
         self._cache: dict[int, KVCache] = {}
         self._deterministic = spec.deterministic
+        # bf16 K/V rounded where made (hit == miss bitwise), else only as stored: configuration.md
+        self._round_kv = self._bf16 and spec.deterministic
         # products: oneDNN on a CPU (paddle.gemm); fixed row tiles, or >= _floor rows (paddle.rows)
         threads, first = spec.num_threads, self._layers[0]
         self._mm, self._floor = (
@@ -157,6 +160,7 @@ class PaddleRunner:
             min_rows=self._floor,
             shard=self._shard,
             product=self._mm.product,
+            pad_last=self._bf16,  # float32 head: rows bitwise from the floor, as bf16 layers
         )
         self._kv_share = self._shard.kv_share()  # parallel: this rank's KV heads of an export
         shape = {
@@ -207,11 +211,11 @@ class PaddleRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _mlp(self, h: paddle.Tensor, layer: Layer) -> paddle.Tensor:
+    def _mlp(self, h: paddle.Tensor, layer: Layer, split: bool = False) -> paddle.Tensor:
         """The dense SwiGLU MLP, or the layer's mixture of experts (partial sums under TP)."""
         if layer.moe is not None:
             return layer.moe.forward(h, self._shard.group if self._shard.ep_size > 1 else None)
-        return self._linear(swiglu(self._linear(h, layer.gate_up)), layer.down)
+        return self._linear(swiglu(self._linear(h, layer.gate_up, split)), layer.down, split)
 
     def _check(self, batch: ForwardBatch) -> None:
         if batch.size == 0:
@@ -247,13 +251,13 @@ class PaddleRunner:
                     f"{0 if have is None else have.length} earlier tokens"
                 )
 
-    def _linear(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
-        """x @ w.T; deterministic: in tiles of _TILE_ROWS rows (x's rows are a multiple of it)."""
-        return self._mm.linear(x, w)
+    def _linear(self, x: paddle.Tensor, w: paddle.Tensor, split: bool = False) -> paddle.Tensor:
+        """x @ w.T (tiled: `_TILE_ROWS` rows at a time); `split`: bf16x2 (`_BF16X2_LAYERS`)."""
+        return self._mm.linear(x, w, split=split)
 
-    def _project(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    def _project(self, x: paddle.Tensor, w: paddle.Tensor, split: bool = False) -> paddle.Tensor:
         """[rows, hidden] x [heads, hidden, dim] -> [heads, rows, dim]; tiled like `_linear`."""
-        return self._mm.project(x, w)
+        return self._mm.project(x, w, split=split)
 
     def _padded(self, rows: int, tile: int) -> int:
         return -(-rows // tile) * tile if self._tiled else max(rows, self._floor)
@@ -269,8 +273,7 @@ class PaddleRunner:
         positions[:total] = np.arange(total) - np.repeat(offsets[:-1] - batch.start_pos, lens)
         ids = np.zeros(rows, dtype=np.int64)
         ids[:total] = batch.tokens
-        x = F.embedding(paddle.to_tensor(ids), self._embed)
-        x = x.astype("float32") if self._bf16 else x  # bf16 rows widened (exact)
+        x = F.embedding(paddle.to_tensor(ids), self._embed)  # bf16 on a CPU: float32 rows
         starts = batch.start_pos.tolist()
         rope = Rope(self._cos, self._sin, positions)  # this batch's rows of the tables
         qk_heads = heads + kv_heads
@@ -291,8 +294,9 @@ class PaddleRunner:
         exports = self._exports = open_writers(batch, kv_layout(spec), self._kv_share)
         eps, rms_norm = spec.rms_norm_eps, self._rms_norm
         for index, layer in enumerate(self._layers):
+            split = self._bf16 and index < _BF16X2_LAYERS
             h = rms_norm(x, layer.in_norm, eps)
-            qkv = self._project(h, layer.qkv)  # [heads + 2 * kv_heads, rows, dim]
+            qkv = self._project(h, layer.qkv, split)  # [heads + 2 * kv_heads, rows, dim]
             if layer.qkv_bias is not None:
                 # Spread over the rows by a rank-1 product, then an equal-shape add: paddle's CPU
                 # broadcast add cost 8x more (0.1 vs 0.015 ms over 16 rows, 13 vs 10 at 2048).
@@ -309,7 +313,7 @@ class PaddleRunner:
             qk = rope(qk)  # in place on a CPU
             q = qk[:heads].reshape([kv_heads, heads // kv_heads, rows, dim])
             k, v = qk[heads:], qkv[qk_heads:]
-            if self._bf16:  # K/V as a bf16 cache holds them: a hit reads what a miss attended to
+            if self._round_kv:  # K/V as a bf16 slot holds them: a hit reads what was attended to
                 k, v = round_bf16_(k), round_bf16_(v)
             outs = []
             for i, ((a, b), cache, last) in enumerate(zip(bounds, caches, is_last, strict=True)):
@@ -321,9 +325,9 @@ class PaddleRunner:
             if rows > total:
                 outs.append(paddle.zeros([heads, rows - total, dim], dtype=x.dtype))
             attn = paddle.concat(outs, axis=1).transpose([1, 0, 2]).reshape([rows, heads * dim])
-            x = x + self._shard.reduce(self._linear(attn, layer.o))
+            x = x + self._shard.reduce(self._linear(attn, layer.o, split))
             h = rms_norm(x, layer.post_norm, eps)
-            x = x + self._shard.reduce(self._mlp(h, layer))
+            x = x + self._shard.reduce(self._mlp(h, layer, split))
 
         prefixes = {} if prefix is None else prefix.after_layers(x, batch, caches)
         ends = (batch.start_pos + lens).tolist()
@@ -332,15 +336,8 @@ class PaddleRunner:
                 self._cache.pop(rid, None)
                 continue
             if self._store is not None:  # the unfinished block, for the next chunk's write
-                keep_tail(
-                    cache,
-                    x,
-                    batch.tokens,
-                    bounds[i][0],
-                    starts[i],
-                    ends[i],
-                    self._store.block_tokens,
-                )
+                b = self._store.block_tokens
+                keep_tail(cache, x, batch.tokens, bounds[i][0], starts[i], ends[i], b)
             cache.length = ends[i]
             self._cache[rid] = cache
         out = self._outputs(x, batch, prefixes)

@@ -18,10 +18,12 @@ The layout is the contract with the forward (`paddle.runner`), which relies on i
   layout and are multiplied with `transpose_y`; with experts, `moe` holds a `paddle.moe.MoE`
   instead of `gate_up` / `down`.
 - The RoPE tables are cos and a sign-folded sin, so rotating is `x*cos + roll(x)*sin`.
-- bfloat16 on a CPU (`paddle.gemm.cpu_bf16`): the products' weights (qkv, o, gate_up, down,
-  the embedding and the LM head) are bfloat16, in HF's `[out, in]` layout, for `paddle.gemm`'s
-  bf16 product; everything else (norms, biases, RoPE tables, MoE experts and router) float32,
-  the forward's compute dtype there (Paddle's CPU ops have no bfloat16 kernels).
+- bfloat16 on a CPU (`paddle.gemm.cpu_bf16`): the decoder layers' product weights (qkv, o,
+  gate_up, down) are bfloat16, in HF's `[out, in]` layout, for `paddle.gemm`'s bf16 product;
+  everything else (the embedding, the LM head, norms, biases, RoPE tables, MoE experts and
+  router) float32, the forward's compute dtype there (Paddle's CPU ops have no bfloat16
+  kernels). The head in bf16 cost 0.014 of the prompt-logprob p99 against float64 on SmolLM2
+  (docs/performance.md), and it is one product of the forward.
 
 Only worker processes and model-level tests import this module (it imports paddle).
 """
@@ -126,8 +128,8 @@ def load_to_device(
 ) -> DeviceWeights:
     """Move the weights onto the current device as they stream in, layer by layer; only the
     parts and slices `shard` keeps; the linear layers' weights [in, out] with `in_out`; with
-    `bf16` (a bfloat16 CPU worker) the products' weights bfloat16, the rest float32. Call
-    under `paddle.no_grad()`."""
+    `bf16` (a bfloat16 CPU worker) the layers' product weights bfloat16, the rest float32 (the
+    embedding and the LM head too). Call under `paddle.no_grad()`."""
     parts = tuple(p for p in layer_parts(spec) if shard.wants(p))
     pending: dict[int, dict[str, np.ndarray]] = {}
     layers: list[Layer | None] = [None] * spec.num_layers
@@ -138,8 +140,6 @@ def load_to_device(
         array = shard.take(part, array)
         if layer is None:
             top[part] = paddle.to_tensor(array, dtype="float32" if bf16 else spec.dtype)
-            if bf16 and part != "norm":  # embed, lm_head: bf16 rows (the head's product)
-                top[part] = top[part].astype("bfloat16")
             continue
         have = pending.setdefault(layer, {})
         have[part] = array
