@@ -3,7 +3,9 @@
 One forward packs every prompt of the batch back to back into one [tokens, hidden] matrix (no
 padding) for the embeddings (word + absolute position + token type, then LayerNorm), the dense
 products, LayerNorms and exact GELU; attention runs per sequence (bidirectional: every token
-sees every token of its own prompt and nothing else), on that sequence's rows alone. Then per
+sees every token of its own prompt and nothing else), on that sequence's rows alone: on a CPU
+with oneDNN, each head's two products read q, k, v in place and write the context's columns
+(`_attend_in_place`), elsewhere Paddle's `matmul` on a transposed copy (`_attend`). Then per
 prompt: the model's pooling of its last hidden states (`cls`: the first token, `mean` over its
 tokens, `last` token; a request's OPT_EMBED_* bits choose another), L2-normalised with the
 model's Normalize module or OPT_NORMALIZE, and for a *ForSequenceClassification model its
