@@ -211,19 +211,20 @@ class EncoderRunner:
             self._scores = np.empty(heads * longest * longest, np.float32)
         qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
         out: np.ndarray = np.from_dlpack(ctx)
-        sp, qp, cp, product = self._scores.ctypes.data, qkv.data_ptr(), ctx.data_ptr(), self._mm.strided
+        sp, qp, cp, mm = self._scores.ctypes.data, qkv.data_ptr(), ctx.data_ptr(), self._mm
         for s, e in bounds:
             n, row = e - s, qp + s * width * f
             for h in range(heads):
-                q, k = row + h * hd * f, row + (hidden + h * hd) * f
-                product(n, n, hd, self._scale, q, width, k, width, sp + h * n * n * f, n, transpose_b=True)
+                q, k, a = row + h * hd * f, row + (hidden + h * hd) * f, sp + h * n * n * f
+                mm.strided(n, n, hd, self._scale, q, width, k, width, a, n, transpose_b=True)
             p = self._scores[: heads * n * n].reshape(heads * n, n)
             p -= p.max(axis=1, keepdims=True)
             np.exp(p, out=p)
             total = p.sum(axis=1).reshape(heads, n)
             for h in range(heads):
-                v, c = row + (2 * hidden + h * hd) * f, cp + (s * hidden + h * hd) * f
-                product(n, hd, n, 1.0, sp + h * n * n * f, n, v, width, c, hidden, transpose_b=False)
+                a, v = sp + h * n * n * f, row + (2 * hidden + h * hd) * f
+                c = cp + (s * hidden + h * hd) * f
+                mm.strided(n, hd, n, 1.0, a, n, v, width, c, hidden, transpose_b=False)
             part = out[s:e].reshape(n, heads, hd)
             part /= total.T[:, :, None]
         return ctx
