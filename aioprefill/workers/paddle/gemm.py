@@ -168,7 +168,7 @@ def _set_openmp_threads(threads: int) -> None:
 class Products:
     """`linear` (a linear layer), `project` (x times per-head weights), `product` (x @ w.T, never
     tiled) and `per_head` (attention's) for one worker: oneDNN on a float32 CPU, else Paddle's
-    `matmul`."""
+    `matmul`; `strided` (one product on raw addresses) on oneDNN only."""
 
     def __init__(
         self,
@@ -296,6 +296,19 @@ class Products:
             else:
                 _check(sgemm(b"N", b"N", m, d, n, 1.0, ah, k, bh, d, 0.0, ch, d))
         return out
+
+    def strided(
+        self, m: int, n: int, k: int, alpha: float, a: int, lda: int, b: int, ldb: int,
+        c: int, ldc: int, *, transpose_b: bool,
+    ) -> None:  # fmt: skip
+        """One float32 product on raw row-major addresses with leading dimensions (oneDNN's
+        sgemm; only where `uses_onednn`): c[m, n] = alpha * a[m, k] @ b, b [k, n] or, with
+        `transpose_b`, [n, k]. For operands that are column blocks of larger matrices, read and
+        written in place: an encoder's per-head attention takes q, k and v from the packed qkv
+        rows and writes each head's columns of the context (no transposes, no copies)."""
+        assert self._sgemm is not None
+        tb = b"T" if transpose_b else b"N"
+        _check(self._sgemm(b"N", tb, m, n, k, alpha, a, lda, b, ldb, 0.0, c, ldc))
 
     def _xw(
         self, x: paddle.Tensor, w: paddle.Tensor, step: int, *, transposed: bool, split: bool
