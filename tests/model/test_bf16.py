@@ -19,7 +19,7 @@ import pytest
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf import dtype as hf_dtype
 from aioprefill.wire import protocol
-from aioprefill.workers.paddle import gemm
+from aioprefill.workers.paddle import gemm, onednn
 from aioprefill.workers.paddle.attention import _copy_kv
 from aioprefill.workers.paddle.head import host
 from aioprefill.workers.paddle.ops import round_bf16_
@@ -31,7 +31,7 @@ from tests.model.prefix import ALL, LAST, with_options
 # Where the CPU has no bf16 units the worker refuses bfloat16 (test_cpu_dtype_policy, which
 # runs everywhere); the tests that compute in bf16 need them.
 needs_bf16 = pytest.mark.skipif(
-    not (hf_dtype.cpu_bf16_units() and gemm.has_gemm_bf16()),
+    not (hf_dtype.cpu_bf16_units() and onednn.has_gemm_bf16()),
     reason="this CPU has no avx512_bf16 / AMX, or this paddle wheel no dnnl_gemm_bf16bf16f32",
 )
 PLP_TOP = protocol.OPT_PROMPT_LOGPROBS | protocol.OPT_PROMPT_TOP_K
@@ -200,21 +200,21 @@ def test_chunks_equal_the_whole_prompt_bitwise(deterministic: bool) -> None:
 
 
 def test_cpu_dtype_policy(monkeypatch) -> None:
-    assert gemm.cpu_bf16("float32", "cpu") is False
-    assert gemm.cpu_bf16("bfloat16", "gpu:0") is False
-    monkeypatch.setattr(gemm, "cpu_bf16_units", lambda: True)
+    assert onednn.cpu_bf16("float32", "cpu") is False
+    assert onednn.cpu_bf16("bfloat16", "gpu:0") is False
+    monkeypatch.setattr(onednn, "cpu_bf16_units", lambda: True)
     monkeypatch.setattr(hf_dtype, "cpu_bf16_units", lambda: True)
-    assert gemm.cpu_bf16("bfloat16", "cpu") is gemm.has_gemm_bf16() or pytest.fail("no gemm")
+    assert onednn.cpu_bf16("bfloat16", "cpu") is onednn.has_gemm_bf16() or pytest.fail("no gemm")
     with pytest.raises(InvalidConfig, match="float16 needs a GPU"):
-        gemm.cpu_bf16("float16", "cpu")
+        onednn.cpu_bf16("float16", "cpu")
     assert hf_dtype.resolve_dtype("auto", "bfloat16", "cpu") == "bfloat16"
     assert hf_dtype.resolve_dtype("auto", "float16", "cpu") == "float32"
     assert hf_dtype.resolve_dtype("auto", "float16", "gpu") == "float16"
     assert hf_dtype.resolve_dtype("float32", "bfloat16", "cpu") == "float32"
-    monkeypatch.setattr(gemm, "cpu_bf16_units", lambda: False)
+    monkeypatch.setattr(onednn, "cpu_bf16_units", lambda: False)
     monkeypatch.setattr(hf_dtype, "cpu_bf16_units", lambda: False)
     with pytest.raises(InvalidConfig, match="avx512_bf16 or AMX"):
-        gemm.cpu_bf16("bfloat16", "cpu")
+        onednn.cpu_bf16("bfloat16", "cpu")
     assert hf_dtype.resolve_dtype("auto", "bfloat16", "cpu") == "float32"
     assert hf_dtype.checkpoint_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"
     assert hf_dtype.checkpoint_dtype({"dtype": "torch.float16"}) == "float16"

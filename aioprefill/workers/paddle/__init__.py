@@ -1,7 +1,7 @@
 """The PaddlePaddle model, imported only inside worker processes.
 
 `runner` (`PaddleRunner`: a packed batch in, outputs out) drives the forward; `weights` lays a
-`PaddleModel`'s tensors out on the device; `env` and `gemm` set the CPU math up (threads,
+`PaddleModel`'s tensors out on the device; `env`, `gemm` and `onednn` set the CPU math up (threads,
 oneDNN/MKL products); `attention`, `norm`, `ops` (RoPE, SwiGLU, masked softmax), `softmax`
 and `moe` are the layers; `head` and `logits` the outputs (next token, logprobs, top-k,
 embeddings); `prefix` the prefix-cache reads and writes; `shard` a tensor-parallel rank's

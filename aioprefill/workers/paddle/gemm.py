@@ -40,129 +40,23 @@ with the product's row count (within the tests' 1e-5).
 from __future__ import annotations
 
 import ctypes
-import functools
 
-import numpy as np
 import paddle
 
-from aioprefill.errors import InvalidConfig
-from aioprefill.hf.dtype import cpu_bf16_units
-from aioprefill.workers.paddle.env import cpu_gemm, onednn_library, paddle_libs
+from aioprefill.workers.paddle.env import cpu_gemm
+from aioprefill.workers.paddle.onednn import (
+    Bf16Cast,
+    check,
+    load_gemm_bf16,
+    load_sgemm,
+    set_openmp_threads,
+)
 
-__all__ = ["Products", "cpu_bf16", "has_gemm_bf16", "weights_in_out"]
+__all__ = ["Products", "weights_in_out"]
 
 _FLOAT = 4  # bytes
 _BF16 = 2
 _PROJECT_ROWS = 256  # `project`'s row blocks by default: x's block stays in cache over the heads
-
-
-@functools.cache
-def _load_gemm(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """oneDNN's row-major gemm `symbol` from Paddle's wheel, or None where there is none:
-    `dnnl_sgemm` (float32) or `dnnl_gemm_bf16bf16f32` (bf16 A and B; float32 C, float32
-    accumulation), both with the same arguments. Called after paddle loaded the library, so its
-    OpenMP calls are bound as Paddle's are."""
-    lib = onednn_library()
-    if lib is None or not hasattr(lib, symbol):
-        return None
-    fn = getattr(lib, symbol)
-    size, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    fn.restype = ctypes.c_int
-    # transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc
-    fn.argtypes = [ctypes.c_char, ctypes.c_char, size, size, size, f32, ptr, size, ptr, size]
-    fn.argtypes += [f32, ptr, size]
-    return fn
-
-
-def _load_sgemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return _load_gemm("dnnl_sgemm")
-
-
-def _load_gemm_bf16() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return _load_gemm("dnnl_gemm_bf16bf16f32")
-
-
-def has_gemm_bf16() -> bool:
-    """Whether this wheel's oneDNN has the bf16 product a bfloat16 CPU worker needs."""
-    return _load_gemm_bf16() is not None
-
-
-def cpu_bf16(dtype: str, device: str) -> bool:
-    """Whether a worker runs bfloat16 on a CPU (bf16 weights and products, float32 elsewhere).
-    Raises `InvalidConfig` for a dtype the CPU does not run: float16, or bfloat16 where the CPU
-    has no bf16 units (avx512_bf16 or AMX: `hf.dtype.cpu_bf16_units`) or the wheel's oneDNN no
-    bf16 product (`dtype="auto"` picks float32 there instead)."""
-    if device != "cpu" or dtype == "float32":
-        return False
-    if dtype != "bfloat16":
-        raise InvalidConfig(
-            f"PaddleModel.dtype: {dtype} needs a GPU; the CPU runs float32 or bfloat16"
-        )
-    if not cpu_bf16_units():
-        raise InvalidConfig(
-            "PaddleModel.dtype: bfloat16 on this CPU needs avx512_bf16 or AMX (not in "
-            "/proc/cpuinfo's flags): use dtype='float32' or 'auto'"
-        )
-    if not has_gemm_bf16():
-        raise InvalidConfig(
-            "PaddleModel.dtype: bfloat16 on a CPU needs oneDNN's dnnl_gemm_bf16bf16f32, which "
-            "this paddle wheel does not ship: use dtype='float32' or 'auto'"
-        )
-    return True
-
-
-class _Bf16Cast:
-    """float32 tensor -> its values rounded to bfloat16 (round to nearest even), as uint16 bits
-    in kept, grow-only buffers (one set per `Products`: products run one at a time). Bitwise
-    Paddle's cast (checked in the study), 3x faster; NaNs are not expected in activations.
-    `split`: also the rest, x - hi, rounded to bfloat16 the same way (bf16x2: hi + lo carry x
-    to ~2^-17 of its value, where hi alone carries it to 2^-9)."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, np.ndarray] = {}
-
-    def _buf(self, name: str, n: int, dtype: type) -> np.ndarray:
-        b = self._bufs.get(name)
-        if b is None or b.size < n:
-            b = self._bufs[name] = np.empty(n, dtype)
-        return b[:n]
-
-    def _round(self, u: np.ndarray, name: str) -> np.ndarray:
-        t, o = self._buf("u32", u.size, np.uint32), self._buf(name, u.size, np.uint16)
-        np.right_shift(u, 16, out=t)
-        np.bitwise_and(t, 1, out=t)
-        np.add(t, 0x7FFF, out=t)
-        np.add(t, u, out=t)
-        np.right_shift(t, 16, out=t)
-        np.copyto(o, t, casting="unsafe")
-        return o
-
-    def __call__(self, x: paddle.Tensor) -> int:
-        """The address of x's bf16 bits (valid until the next call)."""
-        return int(self._round(np.from_dlpack(x).reshape(-1).view(np.uint32), "hi").ctypes.data)
-
-    def split(self, x: paddle.Tensor) -> tuple[int, int]:
-        """The addresses of hi's and lo's bf16 bits (valid until the next call)."""
-        u = np.from_dlpack(x).reshape(-1).view(np.uint32)
-        hi = self._round(u, "hi")
-        rest = self._buf("rest", u.size, np.float32)
-        r32 = rest.view(np.uint32)
-        np.copyto(r32, hi)
-        np.left_shift(r32, 16, out=r32)  # hi's values
-        np.subtract(u.view(np.float32), rest, out=rest)  # exact: x - hi
-        return int(hi.ctypes.data), int(self._round(r32, "lo").ctypes.data)
-
-
-def _set_openmp_threads(threads: int) -> None:
-    """The OpenMP runtime's thread count (oneDNN asks it; Paddle sets MKL's own count)."""
-    libs = paddle_libs()
-    for name in (str(libs / "libiomp5.so") if libs else None, "libgomp.so.1"):
-        if name is None:
-            continue
-        try:
-            ctypes.CDLL(name).omp_set_num_threads(threads)
-        except (OSError, AttributeError):
-            continue
 
 
 class Products:
@@ -183,12 +77,12 @@ class Products:
         `in_out`: the linear layers' weights are laid out [in, out] (`weights_in_out`), not
         HF's [out, in]."""
         onednn = device == "cpu" and (gemm or cpu_gemm()) == "onednn"
-        self._sgemm = _load_sgemm() if onednn else None
+        self._sgemm = load_sgemm() if onednn else None
         # bfloat16 weights on a CPU: oneDNN's bf16 product is the only one (whatever `gemm`)
-        self._bgemm = _load_gemm_bf16() if device == "cpu" else None
-        self._cast = _Bf16Cast()
+        self._bgemm = load_gemm_bf16() if device == "cpu" else None
+        self._cast = Bf16Cast()
         if self._sgemm is not None or self._bgemm is not None:
-            _set_openmp_threads(threads)
+            set_openmp_threads(threads)
         self._tile = tile_rows
         self.in_out = in_out
 
@@ -269,7 +163,7 @@ class Products:
                 b = wp + h * k * dim * ws
                 for xp, beta in passes:
                     a = xp + lo * k * xs
-                    _check(sgemm(b"N", b"N", m, dim, k, 1.0, a, k, b, dim, beta, c, dim))
+                    check(sgemm(b"N", b"N", m, dim, k, 1.0, a, k, b, dim, beta, c, dim))
         return out
 
     def per_head(
@@ -292,9 +186,9 @@ class Products:
             ah, bh = ap + h * m * k * _FLOAT, bp + h * total * d * _FLOAT
             ch = op + h * m * cols * _FLOAT
             if transpose_b:
-                _check(sgemm(b"N", b"T", m, n, d, 1.0, ah, k, bh, d, 0.0, ch, n))
+                check(sgemm(b"N", b"T", m, n, d, 1.0, ah, k, bh, d, 0.0, ch, n))
             else:
-                _check(sgemm(b"N", b"N", m, d, n, 1.0, ah, k, bh, d, 0.0, ch, d))
+                check(sgemm(b"N", b"N", m, d, n, 1.0, ah, k, bh, d, 0.0, ch, d))
         return out
 
     def strided(
@@ -308,7 +202,7 @@ class Products:
         rows and writes each head's columns of the context (no transposes, no copies)."""
         assert self._sgemm is not None
         tb = b"T" if transpose_b else b"N"
-        _check(self._sgemm(b"N", tb, m, n, k, alpha, a, lda, b, ldb, 0.0, c, ldc))
+        check(self._sgemm(b"N", tb, m, n, k, alpha, a, lda, b, ldb, 0.0, c, ldc))
 
     def _xw(
         self, x: paddle.Tensor, w: paddle.Tensor, step: int, *, transposed: bool, split: bool
@@ -326,7 +220,7 @@ class Products:
         for lo in range(0, rows, step):
             m, c = min(step, rows - lo), op + lo * n * _FLOAT
             for xp, beta in passes:
-                _check(sgemm(b"N", tb, m, n, k, 1.0, xp + lo * k * xs, k, wp, ldb, beta, c, n))
+                check(sgemm(b"N", tb, m, n, k, 1.0, xp + lo * k * xs, k, wp, ldb, beta, c, n))
         return out
 
 
@@ -354,8 +248,3 @@ def _blocks(rows: int, tile: int | None) -> list[tuple[int, int]]:
 
 def _contiguous(t: paddle.Tensor) -> paddle.Tensor:
     return t if t.is_contiguous() else t.contiguous()
-
-
-def _check(status: int) -> None:
-    if status != 0:
-        raise RuntimeError(f"oneDNN's gemm failed with status {status}")

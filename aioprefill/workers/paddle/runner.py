@@ -61,9 +61,10 @@ from aioprefill.wire.kv import kv_layout  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
 from aioprefill.workers.paddle.attention import KVCache, attend, export_layer  # noqa: E402
-from aioprefill.workers.paddle.gemm import Products, cpu_bf16, weights_in_out  # noqa: E402
+from aioprefill.workers.paddle.gemm import Products, weights_in_out  # noqa: E402
 from aioprefill.workers.paddle.head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle.norm import rms_norm_for  # noqa: E402
+from aioprefill.workers.paddle.onednn import cpu_bf16  # noqa: E402
 from aioprefill.workers.paddle.ops import Rope, round_bf16_, swiglu  # noqa: E402
 from aioprefill.workers.paddle.prefix import PrefixForward, keep_tail  # noqa: E402
 from aioprefill.workers.paddle.rows import checked_products  # noqa: E402

@@ -18,7 +18,7 @@ The layout is the contract with the forward (`paddle.runner`), which relies on i
   layout and are multiplied with `transpose_y`; with experts, `moe` holds a `paddle.moe.MoE`
   instead of `gate_up` / `down`.
 - The RoPE tables are cos and a sign-folded sin, so rotating is `x*cos + roll(x)*sin`.
-- bfloat16 on a CPU (`paddle.gemm.cpu_bf16`): the decoder layers' product weights (qkv, o,
+- bfloat16 on a CPU (`paddle.onednn.cpu_bf16`): the decoder layers' product weights (qkv, o,
   gate_up, down) are bfloat16, in HF's `[out, in]` layout, for `paddle.gemm`'s bf16 product;
   everything else (the embedding, the LM head, norms, biases, RoPE tables, MoE experts and
   router) float32, the forward's compute dtype there (Paddle's CPU ops have no bfloat16
