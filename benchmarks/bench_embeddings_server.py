@@ -316,18 +316,10 @@ async def measure(nodes: dict[str, Node], sentences, pers, args, say) -> None:
                             f"{len(sentences) / wall:6.1f} sentences/s, server {cpu:5.1f} "
                             f"CPU-s, client {ccpu:4.1f} CPU-s, idle servers {idle:.2f} CPU-s"
                         )
+                    if r == 0:  # same work? (said at once: a run cut short keeps it)
+                        agreement(vectors, names, k, args.min_cosine, say)
     say(f"# the idle servers used at most {idle_max:.2f} CPU-s during another's pass")
     ref_name = names[0]
-    for k in pers:
-        ref = vectors[ref_name, k]
-        for name in names:
-            v = vectors[name, k]
-            cos = (v * ref).sum(1) / np.linalg.norm(v, axis=1) / np.linalg.norm(ref, axis=1)
-            ok = "ok" if cos.min() >= args.min_cosine else f"BELOW {args.min_cosine}"
-            say(
-                f"# K={k} {name} vs {ref_name}: min cosine {cos.min():.7f} ({ok}), max |d| "
-                f"{np.abs(v - ref).max():.1e}"
-            )
     say(
         "# medians over the rounds: wall seconds, sentences/s and the ratio to "
         f"{ref_name}; CPU seconds of the server's processes (all threads) and of the client"
@@ -343,6 +335,19 @@ async def measure(nodes: dict[str, Node], sentences, pers, args, say) -> None:
                 f"x{base / med:.2f} | server {cpu:6.1f} CPU-s {n / cpu:6.1f} sentences/CPU-s | "
                 f"client {statistics.median(cli_cpu[name, k]):4.1f} CPU-s"
             )
+
+
+def agreement(vectors: dict, names: list[str], k: int, min_cosine: float, say) -> None:
+    """Each server's vectors against the first's, per sentence."""
+    ref = vectors[names[0], k]
+    for name in names[1:]:
+        v = vectors[name, k]
+        cos = (v * ref).sum(1) / np.linalg.norm(v, axis=1) / np.linalg.norm(ref, axis=1)
+        ok = "ok" if cos.min() >= min_cosine else f"BELOW {min_cosine}"
+        say(
+            f"# K={k} {name} vs {names[0]}: min cosine {cos.min():.7f} ({ok}), max |d| "
+            f"{np.abs(v - ref).max():.1e}"
+        )
 
 
 def _git_head() -> str:
