@@ -115,10 +115,14 @@ def test_named_prompts_go_before_each_text_and_unknown_names_are_400(minilm):
         spelled = http.post("/embed", json={"inputs": [PROMPTS["query"] + t for t in texts]})
         plain = http.post("/embed", json={"inputs": texts}).json()
         assert named == spelled.json() and named != plain
-        body = {"input": texts, "prompt_name": "passage"}
-        oa = [d["embedding"] for d in http.post("/v1/embeddings", json=body).json()["data"]]
         spelled = http.post("/embed", json={"inputs": [PROMPTS["passage"] + t for t in texts]})
-        np.testing.assert_array_equal(np.float32(oa), np.float32(spelled.json()))
+    with openai.OpenAI(base_url=minilm.url + "/v1", api_key="none", max_retries=0) as client:
+        got = client.embeddings.create(
+            model="minilm", input=texts, extra_body={"prompt_name": "passage"}
+        )
+    oa = [d.embedding for d in got.data]
+    np.testing.assert_array_equal(np.float32(oa), np.float32(spelled.json()))
+    with httpx.Client(base_url=minilm.url, timeout=60) as http:
         r = http.post("/embed", json={"inputs": texts, "prompt_name": "document"})
         assert r.status_code == 400 and "'passage', 'query'" in r.json()["error"]["message"]
         r = http.post("/v1/embeddings", json={"input": [[101, 102]], "prompt_name": "query"})
