@@ -58,7 +58,7 @@ from aioprefill.wire.protocol import (  # noqa: E402
 from aioprefill.workers.paddle.gemm import Products  # noqa: E402
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402
 
-__all__ = ["EncoderRunner"]
+__all__ = ["EncoderRunner", "encoder_device", "floor_linear", "mean_rows", "pool"]
 
 _FLOOR_ROWS = 16  # products on fewer rows are zero-padded to this many (batch invariance)
 _POOL_BITS = {"cls": OPT_EMBED_CLS, "mean": OPT_EMBED_MEAN, "last": OPT_EMBED_LAST}
@@ -80,26 +80,8 @@ class EncoderRunner:
     device: str
 
     def __init__(self, spec: PaddleModel, worker_index: int = 0) -> None:
-        if spec.dtype != "float32":
-            raise InvalidConfig(f"PaddleModel.dtype: {spec.dtype}: encoders run float32 only")
         self.spec = spec
-        has_cuda = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-        if spec.device == "gpu" and not has_cuda:
-            raise InvalidConfig("PaddleModel.device: 'gpu' but this paddle has no CUDA device")
-        self.device = "cpu" if spec.device == "cpu" or not has_cuda else f"gpu:{worker_index}"
-        paddle.set_device(self.device)
-        if self.device == "cpu":
-            keep_freed_memory()
-            paddle.base.core.set_num_threads(spec.num_threads)
-        self._mm = Products(self.device, spec.num_threads, None, gemm="onednn", in_out=True)
-        if self.device == "cpu" and not self._mm.uses_onednn:
-            logging.getLogger("aioprefill.worker").warning(
-                "oneDNN's sgemm is not in this Paddle wheel: encoder products run on MKL, whose "
-                "rows may move with the batch by float32 rounding"
-            )
-        self._default_bits = _POOL_BITS[spec.pooling or "cls"] | (
-            OPT_NORMALIZE if spec.normalize else 0
-        )
+        self.device, self._mm = encoder_device(spec, worker_index)
         self._heads, self._hd = spec.num_heads, spec.hidden_size // spec.num_heads
         self._scale = 1.0 / math.sqrt(self._hd)
         self._scores = np.empty(0, np.float32)  # one prompt's [heads, n, n] (grow-only)
@@ -149,11 +131,7 @@ class EncoderRunner:
             )
 
     def _linear(self, x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor) -> paddle.Tensor:
-        rows = x.shape[0]
-        if rows < _FLOOR_ROWS:  # the same kernel family whatever the batch
-            pad = paddle.zeros([_FLOOR_ROWS - rows, x.shape[1]], dtype=x.dtype)
-            return (self._mm.linear(paddle.concat([x, pad]), w) + b)[:rows]
-        return self._mm.linear(x, w) + b
+        return floor_linear(self._mm, x, w) + b
 
     @paddle.no_grad()
     def hidden(self, batch: ForwardBatch) -> np.ndarray:
@@ -240,24 +218,7 @@ class EncoderRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         x = self.hidden(batch)
         offsets = batch.offsets
-        bits = (
-            np.full(batch.size, self._default_bits, np.uint8)
-            if batch.options is None
-            else batch.options
-        )
-        dim = self.spec.hidden_size
-        emb = np.empty((batch.size, dim), np.float32)
-        for i in range(batch.size):
-            s, e, b = int(offsets[i]), int(offsets[i + 1]), int(bits[i])
-            if b & OPT_EMBED_MEAN:  # sentence-transformers: sum over tokens / count
-                v = x[s:e].sum(axis=0, dtype=np.float32) / np.float32(e - s)
-            elif b & OPT_EMBED_LAST:
-                v = x[e - 1]
-            else:  # OPT_EMBED_CLS, the default
-                v = x[s]
-            if b & OPT_NORMALIZE:  # torch's F.normalize: v / max(||v||, 1e-12)
-                v = v / np.float32(max(float(np.sqrt(np.dot(v, v))), 1e-12))
-            emb[i] = v
+        emb = pool(x, batch, self.spec)
         scores = np.empty((0, 0), np.float32)
         if self._head is not None:
             w1, b1, w2, b2 = self._head
@@ -275,3 +236,64 @@ class EncoderRunner:
 
     def free(self, request_ids: np.ndarray) -> None:
         """Nothing to drop: an encoder keeps no state between forwards."""
+
+
+def encoder_device(spec: PaddleModel, worker_index: int) -> tuple[str, Products]:
+    """An encoder worker's device, set (`cpu` with `spec.num_threads`, or its GPU), and its
+    products (oneDNN's sgemm on a CPU: rows batch-invariant). float32 only."""
+    if spec.dtype != "float32":
+        raise InvalidConfig(f"PaddleModel.dtype: {spec.dtype}: encoders run float32 only")
+    has_cuda = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    if spec.device == "gpu" and not has_cuda:
+        raise InvalidConfig("PaddleModel.device: 'gpu' but this paddle has no CUDA device")
+    device = "cpu" if spec.device == "cpu" or not has_cuda else f"gpu:{worker_index}"
+    paddle.set_device(device)
+    if device == "cpu":
+        keep_freed_memory()
+        paddle.base.core.set_num_threads(spec.num_threads)
+    mm = Products(device, spec.num_threads, None, gemm="onednn", in_out=True)
+    if device == "cpu" and not mm.uses_onednn:
+        logging.getLogger("aioprefill.worker").warning(
+            "oneDNN's sgemm is not in this Paddle wheel: encoder products run on MKL, whose "
+            "rows may move with the batch by float32 rounding"
+        )
+    return device, mm
+
+
+def floor_linear(mm: Products, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    """x @ w on at least `_FLOOR_ROWS` rows (fewer are zero-padded, then cut off): the same
+    kernel family whatever the batch."""
+    rows = x.shape[0]
+    if rows < _FLOOR_ROWS:
+        pad = paddle.zeros([_FLOOR_ROWS - rows, x.shape[1]], dtype=x.dtype)
+        return mm.linear(paddle.concat([x, pad]), w)[:rows]
+    return mm.linear(x, w)
+
+
+def mean_rows(x: np.ndarray, s: int, e: int) -> np.ndarray:
+    """sentence-transformers' mean pooling of rows s..e: sum over tokens / count."""
+    return x[s:e].sum(axis=0, dtype=np.float32) / np.float32(e - s)
+
+
+def pool(x: np.ndarray, batch: ForwardBatch, spec: PaddleModel) -> np.ndarray:
+    """Each prompt's embedding from its last hidden states (packed rows of x): its request's
+    OPT_EMBED_* / OPT_NORMALIZE bits, else the model's pooling (default cls) and Normalize."""
+    offsets = batch.offsets
+    if batch.options is None:
+        default = _POOL_BITS[spec.pooling or "cls"] | (OPT_NORMALIZE if spec.normalize else 0)
+        bits = np.full(batch.size, default, np.uint8)
+    else:
+        bits = batch.options
+    emb = np.empty((batch.size, x.shape[1]), np.float32)
+    for i in range(batch.size):
+        s, e, b = int(offsets[i]), int(offsets[i + 1]), int(bits[i])
+        if b & OPT_EMBED_MEAN:
+            v = mean_rows(x, s, e)
+        elif b & OPT_EMBED_LAST:
+            v = x[e - 1]
+        else:  # OPT_EMBED_CLS, the default
+            v = x[s]
+        if b & OPT_NORMALIZE:  # torch's F.normalize: v / max(||v||, 1e-12)
+            v = v / np.float32(max(float(np.sqrt(np.dot(v, v))), 1e-12))
+        emb[i] = v
+    return emb

@@ -21,21 +21,16 @@ token or mean), dense -> exact GELU -> LayerNorm -> classifier, float32[num_labe
 
 Batch invariance: a prompt's rows meet other prompts' only in the dense products, which run on
 oneDNN's sgemm (`paddle.gemm.Products`; rows keep their bits whatever the row count, from
-`_FLOOR_ROWS` up: fewer rows are zero-padded to it), as for BERT; attention, pooling and the
-head see one prompt at a time, in shapes that depend on that prompt alone. ModernBERT has no
-token types (`type_vocab_size` 1).
+`encoder.floor_linear`'s floor up: fewer rows are zero-padded to it), as for BERT; attention,
+pooling and the head see one prompt at a time, in shapes that depend on that prompt alone.
+ModernBERT has no token types (`type_vocab_size` 1).
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 
-from aioprefill.workers.paddle.env import (
-    configure_math_libraries,
-    keep_freed_memory,
-    quiet_native_logs,
-)
+from aioprefill.workers.paddle.env import configure_math_libraries, quiet_native_logs
 
 configure_math_libraries()
 quiet_native_logs()
@@ -51,20 +46,17 @@ from aioprefill.errors import InvalidConfig  # noqa: E402
 from aioprefill.hf.modernbert import MODERNBERT  # noqa: E402
 from aioprefill.hf.weights import model_weights  # noqa: E402
 from aioprefill.models import PaddleModel  # noqa: E402
-from aioprefill.wire.encoder import OPT_EMBED_CLS  # noqa: E402
-from aioprefill.wire.protocol import (  # noqa: E402
-    OPT_EMBED_LAST,
-    OPT_EMBED_MEAN,
-    OPT_NORMALIZE,
+from aioprefill.workers.paddle.encoder import (  # noqa: E402
+    encoder_device,
+    floor_linear,
+    mean_rows,
+    pool,
 )
-from aioprefill.workers.paddle.gemm import Products  # noqa: E402
 from aioprefill.workers.runner import ForwardBatch, ForwardOutput  # noqa: E402
 
 __all__ = ["ModernBertRunner", "rope_tables"]
 
-_FLOOR_ROWS = 16  # products on fewer rows are zero-padded to this many (batch invariance)
 _QUERY_BLOCK = 256  # attention's query rows per block (memory: heads x block x keys scores)
-_POOL_BITS = {"cls": OPT_EMBED_CLS, "mean": OPT_EMBED_MEAN, "last": OPT_EMBED_LAST}
 
 
 def rope_tables(theta: float, head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -85,28 +77,11 @@ class ModernBertRunner:
     device: str
 
     def __init__(self, spec: PaddleModel, worker_index: int = 0) -> None:
-        if spec.dtype != "float32":
-            raise InvalidConfig(f"PaddleModel.dtype: {spec.dtype}: encoders run float32 only")
-        if spec.architecture not in MODERNBERT:
+        # (a dtype other than float32 is `encoder_device`'s error, whatever the architecture)
+        if spec.dtype == "float32" and spec.architecture not in MODERNBERT:
             raise InvalidConfig(f"PaddleModel.architecture: {spec.architecture} is not ModernBERT")
         self.spec = spec
-        has_cuda = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-        if spec.device == "gpu" and not has_cuda:
-            raise InvalidConfig("PaddleModel.device: 'gpu' but this paddle has no CUDA device")
-        self.device = "cpu" if spec.device == "cpu" or not has_cuda else f"gpu:{worker_index}"
-        paddle.set_device(self.device)
-        if self.device == "cpu":
-            keep_freed_memory()
-            paddle.base.core.set_num_threads(spec.num_threads)
-        self._mm = Products(self.device, spec.num_threads, None, gemm="onednn", in_out=True)
-        if self.device == "cpu" and not self._mm.uses_onednn:
-            logging.getLogger("aioprefill.worker").warning(
-                "oneDNN's sgemm is not in this Paddle wheel: encoder products run on MKL, whose "
-                "rows may move with the batch by float32 rounding"
-            )
-        self._default_bits = _POOL_BITS[spec.pooling or "cls"] | (
-            OPT_NORMALIZE if spec.normalize else 0
-        )
+        self.device, self._mm = encoder_device(spec, worker_index)
         self._heads, self._hd = spec.num_heads, spec.head_dim
         self._scale = float(self._hd) ** -0.5
         self._half = spec.local_attention // 2
@@ -151,11 +126,7 @@ class ModernBertRunner:
             )
 
     def _linear(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
-        rows = x.shape[0]
-        if rows < _FLOOR_ROWS:  # the same kernel family whatever the batch
-            pad = paddle.zeros([_FLOOR_ROWS - rows, x.shape[1]], dtype=x.dtype)
-            return self._mm.linear(paddle.concat([x, pad]), w)[:rows]
-        return self._mm.linear(x, w)
+        return floor_linear(self._mm, x, w)
 
     def _norm(self, x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
         return F.layer_norm(x, [self.spec.hidden_size], weight, None, self.spec.layer_norm_eps)
@@ -235,35 +206,13 @@ class ModernBertRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         x = self.hidden(batch)
         offsets = batch.offsets
-        bits = (
-            np.full(batch.size, self._default_bits, np.uint8)
-            if batch.options is None
-            else batch.options
-        )
-        emb = np.empty((batch.size, self.spec.hidden_size), np.float32)
-        means: dict[int, np.ndarray] = {}
-        for i in range(batch.size):
-            s, e, b = int(offsets[i]), int(offsets[i + 1]), int(bits[i])
-            if b & OPT_EMBED_MEAN:  # sentence-transformers: sum over tokens / count
-                v = means[i] = x[s:e].sum(axis=0, dtype=np.float32) / np.float32(e - s)
-            elif b & OPT_EMBED_LAST:
-                v = x[e - 1]
-            else:  # OPT_EMBED_CLS, the default
-                v = x[s]
-            if b & OPT_NORMALIZE:  # torch's F.normalize: v / max(||v||, 1e-12)
-                v = v / np.float32(max(float(np.sqrt(np.dot(v, v))), 1e-12))
-            emb[i] = v
+        emb = pool(x, batch, self.spec)
         scores = np.empty((0, 0), np.float32)
         if self._head is not None:
             rows = []
             for i in range(batch.size):
                 s, e = int(offsets[i]), int(offsets[i + 1])
-                if self.spec.classifier_pooling == "mean":
-                    pooled = means.get(i)
-                    if pooled is None:
-                        pooled = x[s:e].sum(axis=0, dtype=np.float32) / np.float32(e - s)
-                else:
-                    pooled = x[s]
+                pooled = mean_rows(x, s, e) if self.spec.classifier_pooling == "mean" else x[s]
                 rows.append(self._classify(pooled))
             scores = np.stack(rows).astype(np.float32)
         n = batch.size
