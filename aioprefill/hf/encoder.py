@@ -20,7 +20,13 @@ from typing import Any
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config_keys import COMMON
-from aioprefill.hf.modernbert import MODERNBERT, modernbert_fields, modernbert_shapes
+from aioprefill.hf.modernbert import (
+    MODERNBERT,
+    modernbert_fields,
+    modernbert_shapes,
+    num_labels,
+    refuse,
+)
 from aioprefill.hf.spec import ModelShape
 
 __all__ = [
@@ -89,10 +95,6 @@ _POOLING_KEYS = {"cls_token": "cls", "mean_tokens": "mean", "lasttoken": "last"}
 _OTHER_POOLINGS = ("max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens")
 
 
-def _refuse(key: str, why: str) -> InvalidConfig:
-    return InvalidConfig(f"config.json: {key}: {why}")
-
-
 def encoder_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
     """`PaddleModel` keyword arguments for an encoder's parsed `config.json` (`arch` one of
     `ENCODERS`), or `InvalidConfig` naming the first key whose setting is not implemented."""
@@ -100,46 +102,36 @@ def encoder_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
     if model_type == "modernbert":
         return modernbert_fields(config, arch)
     if config.get("model_type", model_type) != model_type:
-        raise _refuse("model_type", f"{config['model_type']!r} does not match {arch}")
+        raise refuse("model_type", f"{config['model_type']!r} does not match {arch}")
     c = {**_DEFAULTS, **config}
     if "quantization_config" in c:
-        raise _refuse("quantization_config", "quantized checkpoints are not supported")
+        raise refuse("quantization_config", "quantized checkpoints are not supported")
     for key, value in _FIXED.items():
         if key in c and c[key] != value:
-            raise _refuse(key, f"{c[key]!r} is not supported (only {value!r})")
+            raise refuse(key, f"{c[key]!r} is not supported (only {value!r})")
     if c["hidden_act"] not in _GELU:
-        raise _refuse("hidden_act", f"{c['hidden_act']!r} is not supported (only exact 'gelu')")
+        raise refuse("hidden_act", f"{c['hidden_act']!r} is not supported (only exact 'gelu')")
     fields: dict[str, Any] = {"architecture": arch}
     for field, key in _COPIED.items():
         if key not in c:
-            raise _refuse(key, "missing")
+            raise refuse(key, "missing")
         fields[field] = c[key]
     fields["num_kv_heads"] = fields["num_heads"]
     if model_type == "xlm-roberta":  # positions count from padding_idx + 1
         pad = c["pad_token_id"]
         if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
-            raise _refuse("pad_token_id", f"must be a non-negative int, got {pad!r}")
+            raise refuse("pad_token_id", f"must be a non-negative int, got {pad!r}")
         fields["position_offset"] = pad + 1
     used = {"architectures", "model_type", "hidden_act", *_COPIED.values(), *_FIXED}
     if head:
-        labels = _num_labels(c)
+        labels = num_labels(c)
         fields["num_labels"] = labels
         used |= {"id2label", "label2id", "num_labels"}
     inert = COMMON | _INERT
     for key in config:
         if key not in used and key not in inert:
-            raise _refuse(key, f"not implemented for {arch} (it may change the forward)")
+            raise refuse(key, f"not implemented for {arch} (it may change the forward)")
     return fields
-
-
-def _num_labels(c: dict[str, Any]) -> int:
-    """transformers' rule: `id2label`'s size when given, else `num_labels`, else 2."""
-    if isinstance(c.get("id2label"), dict):
-        return len(c["id2label"])
-    labels = c.get("num_labels", 2)
-    if not isinstance(labels, int) or isinstance(labels, bool) or labels < 1:
-        raise _refuse("num_labels", f"must be a positive int, got {labels!r}")
-    return labels
 
 
 def sentence_transformers_fields(directory: Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config_keys import COMMON
 from aioprefill.hf.spec import ModelShape
 
-__all__ = ["MODERNBERT", "modernbert_fields", "modernbert_shapes"]
+__all__ = ["MODERNBERT", "modernbert_fields", "modernbert_shapes", "num_labels", "refuse"]
 
 # HF class -> (model_type, base-model prefix of its tensor names, classifier head kind or "").
 MODERNBERT: dict[str, tuple[str, str, str]] = {
@@ -88,7 +88,8 @@ _INERT = frozenset(
 )
 
 
-def _refuse(key: str, why: str) -> InvalidConfig:
+def refuse(key: str, why: str) -> InvalidConfig:
+    """A checkpoint's config.json key this reader will not take (the encoders' one error)."""
     return InvalidConfig(f"config.json: {key}: {why}")
 
 
@@ -97,31 +98,31 @@ def modernbert_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
     `MODERNBERT`), or `InvalidConfig` naming the first key whose setting is not implemented."""
     model_type, _, head = MODERNBERT[arch]
     if config.get("model_type", model_type) != model_type:
-        raise _refuse("model_type", f"{config['model_type']!r} does not match {arch}")
+        raise refuse("model_type", f"{config['model_type']!r} does not match {arch}")
     c = {**_DEFAULTS, **config}
     if "quantization_config" in c:
-        raise _refuse("quantization_config", "quantized checkpoints are not supported")
+        raise refuse("quantization_config", "quantized checkpoints are not supported")
     for key in _NO_BIAS:
         if c.get(key, False) is not False:
-            raise _refuse(key, f"{c[key]!r} is not supported (only false: no biases)")
+            raise refuse(key, f"{c[key]!r} is not supported (only false: no biases)")
     for key in ("hidden_activation", "classifier_activation"):
         if c[key] not in _GELU:
-            raise _refuse(key, f"{c[key]!r} is not supported (only exact 'gelu')")
+            raise refuse(key, f"{c[key]!r} is not supported (only exact 'gelu')")
     fields: dict[str, Any] = {"architecture": arch}
     for field, key in _COPIED.items():
         if key not in c:
-            raise _refuse(key, "missing")
+            raise refuse(key, "missing")
         fields[field] = c[key]
     fields["num_kv_heads"] = fields["num_heads"]
     head_dim = c.get("head_dim")
     if head_dim is not None and head_dim * fields["num_heads"] != fields["hidden_size"]:
-        raise _refuse("head_dim", f"{head_dim} is not hidden_size // num_attention_heads")
+        raise refuse("head_dim", f"{head_dim} is not hidden_size // num_attention_heads")
     fields["max_position_embeddings"] = c["max_position_embeddings"]
     fields["layer_norm_eps"] = c["norm_eps"]
     fields["type_vocab_size"] = 1  # no token types: a pair's type ids are not read
     window = c["local_attention"]
     if not isinstance(window, int) or isinstance(window, bool) or window < 2:
-        raise _refuse("local_attention", f"must be an int >= 2, got {window!r}")
+        raise refuse("local_attention", f"must be an int >= 2, got {window!r}")
     fields["local_attention"] = window
     fields["global_attn_every_n_layers"] = _every_n(c, fields["num_layers"])
     fields["rope_theta"], fields["local_rope_theta"] = _thetas(c)
@@ -132,16 +133,16 @@ def modernbert_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
         "classifier_pooling", *_COPIED.values(), *_NO_BIAS,
     }  # fmt: skip
     if head:
-        fields["num_labels"] = _num_labels(c)
+        fields["num_labels"] = num_labels(c)
         pooling = c["classifier_pooling"]
         if pooling not in ("cls", "mean"):
-            raise _refuse("classifier_pooling", f"{pooling!r} is not 'cls' or 'mean'")
+            raise refuse("classifier_pooling", f"{pooling!r} is not 'cls' or 'mean'")
         fields["classifier_pooling"] = pooling
         used |= {"id2label", "label2id", "num_labels"}
     inert = COMMON | _INERT
     for key in config:
         if key not in used and key not in inert:
-            raise _refuse(key, f"not implemented for {arch} (it may change the forward)")
+            raise refuse(key, f"not implemented for {arch} (it may change the forward)")
     return fields
 
 
@@ -150,12 +151,12 @@ def _every_n(c: dict[str, Any], layers: int) -> int:
     `layer_types` (what transformers 5 saves) when it has one."""
     n = c["global_attn_every_n_layers"]
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise _refuse("global_attn_every_n_layers", f"must be a positive int, got {n!r}")
+        raise refuse("global_attn_every_n_layers", f"must be a positive int, got {n!r}")
     types = c.get("layer_types")
     if types is None:
         return n
     if not isinstance(types, list) or len(types) != layers or not set(types) <= set(_LAYER_TYPES):
-        raise _refuse("layer_types", f"must list {layers} of {_LAYER_TYPES}, got {types!r}")
+        raise refuse("layer_types", f"must list {layers} of {_LAYER_TYPES}, got {types!r}")
 
     def pattern(k: int) -> list[str]:
         return [_LAYER_TYPES[bool(i % k)] for i in range(layers)]
@@ -163,7 +164,7 @@ def _every_n(c: dict[str, Any], layers: int) -> int:
     for k in (n, *range(1, layers + 1)):
         if types == pattern(k):
             return k
-    raise _refuse("layer_types", "only a global layer every n layers (from layer 0) is implemented")
+    raise refuse("layer_types", "only a global layer every n layers (from layer 0) is implemented")
 
 
 def _thetas(c: dict[str, Any]) -> tuple[float, float]:
@@ -171,36 +172,36 @@ def _thetas(c: dict[str, Any]) -> tuple[float, float]:
     5), else `global_rope_theta` / `local_rope_theta` (a null local theta: the global one, as
     transformers 4 read it)."""
     if c.get("rope_scaling") is not None:
-        raise _refuse("rope_scaling", f"{c['rope_scaling']!r}: RoPE scaling is not implemented")
+        raise refuse("rope_scaling", f"{c['rope_scaling']!r}: RoPE scaling is not implemented")
     glob, local = c["global_rope_theta"], c["local_rope_theta"]
     if local is None:
         local = glob
     params = c.get("rope_parameters")
     if params is not None:
         if not isinstance(params, dict) or not set(params) <= set(_LAYER_TYPES):
-            raise _refuse("rope_parameters", f"must map {_LAYER_TYPES} to parameters: {params!r}")
+            raise refuse("rope_parameters", f"must map {_LAYER_TYPES} to parameters: {params!r}")
         found = []
         for kind, default in zip(_LAYER_TYPES, (glob, local), strict=True):
             p = params.get(kind) or {}
             if not isinstance(p, dict) or not set(p) <= {"rope_type", "rope_theta"}:
-                raise _refuse("rope_parameters", f"{kind}: only rope_theta is implemented: {p!r}")
+                raise refuse("rope_parameters", f"{kind}: only rope_theta is implemented: {p!r}")
             if p.get("rope_type", "default") != "default":
-                raise _refuse("rope_parameters", f"{kind}: rope_type {p['rope_type']!r}")
+                raise refuse("rope_parameters", f"{kind}: rope_type {p['rope_type']!r}")
             found.append(p.get("rope_theta", default))
         glob, local = found
     for key, theta in (("global_rope_theta", glob), ("local_rope_theta", local)):
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-            raise _refuse(key, f"must be a positive number, got {theta!r}")
+            raise refuse(key, f"must be a positive number, got {theta!r}")
     return float(glob), float(local)
 
 
-def _num_labels(c: dict[str, Any]) -> int:
+def num_labels(c: dict[str, Any]) -> int:
     """transformers' rule: `id2label`'s size when given, else `num_labels`, else 2."""
     if isinstance(c.get("id2label"), dict):
         return len(c["id2label"])
     labels = c.get("num_labels", 2)
     if not isinstance(labels, int) or isinstance(labels, bool) or labels < 1:
-        raise _refuse("num_labels", f"must be a positive int, got {labels!r}")
+        raise refuse("num_labels", f"must be a positive int, got {labels!r}")
     return labels
 
 
