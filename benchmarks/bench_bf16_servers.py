@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import fcntl
 import os
 import signal
 import statistics
@@ -52,7 +50,7 @@ import aiohttp
 import msgspec
 import numpy as np
 from bench_bf16 import PROMPTS, REFERENCE, cpu_line
-from common import ROOT, cpu_s, free_port, tree_cpu_s
+from common import ROOT, cpu_s, free_port, locked, tree_cpu_s
 
 sys.path.insert(0, str(ROOT))
 from tests.vllm import vllmvenv
@@ -131,19 +129,6 @@ def accuracy(task: str, got: list[dict], prompts: list[np.ndarray], ref, texts) 
         line += (f"; prompt logprob |d| mean {d.mean():.2e} p99 {np.quantile(d, 0.99):.2e} "
                  f"max {d.max():.2e}")  # fmt: skip
     return line
-
-
-@contextlib.contextmanager
-def locked(path: str):
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def main() -> None:

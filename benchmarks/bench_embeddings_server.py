@@ -44,8 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
-import fcntl
 import json
 import os
 import platform
@@ -60,7 +58,7 @@ import aiohttp
 import numpy as np
 import uvloop
 from bench_embeddings import make_sentences
-from common import ROOT, free_port, tree_cpu_s
+from common import ROOT, free_port, locked, tree_cpu_s
 
 from aioprefill import PaddleModel, Tokenizer
 from aioprefill.text.encoder_text import EncoderText
@@ -155,19 +153,6 @@ async def run_pass(
 def client_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-@contextlib.contextmanager
-def locked(path: str | None):
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def main() -> None:

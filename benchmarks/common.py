@@ -17,6 +17,7 @@ reference venvs (torch, transformers), which do not have aioprefill's dependenci
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import sys
@@ -71,3 +72,17 @@ def tree_cpu_s(pid: int) -> float:
                     total += int((task / "schedstat").read_text().split()[0])
                     todo += [int(c) for c in (task / "children").read_text().split()]
     return total / 1e9
+
+
+@contextlib.contextmanager
+def locked(path: str | None):
+    """An exclusive flock on `path` (a shared machine's measurement lock); none without it."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
