@@ -1,0 +1,216 @@
+"""oneDNN's primitive API through ctypes, on the library Paddle's wheel ships (`libdnnl.so.3`,
+oneDNN 3.6 in Paddle 3.3): one CPU engine and in-order stream per process (`dnnl()`), memory
+descriptors (`memory_desc`), post-op attributes (`PostOps`) and `Primitive`, a primitive made once
+for its shapes and pointed at arrays' memory on each call.
+
+Why by hand: Paddle's eager CPU kernels never reach oneDNN (`FLAGS_use_mkldnn` changes nothing
+there: checked with `ONEDNN_VERBOSE=1`), and no PyPI package binds oneDNN's C API without
+bringing its own copy and OpenMP runtime; the wheel's library runs on the OpenMP pool Paddle's
+kernels use, whose size `PaddleRunner` sets. The enum values are oneDNN 3.x's
+(`include/oneapi/dnnl/dnnl_types.h`, `dnnl_common_types.h`); a primitive the library cannot make
+for a shape raises `DnnlError` with oneDNN's status, and callers keep their NumPy or Paddle path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+
+from aioprefill.workers.paddle.env import onednn_library
+
+__all__ = [
+    "ARG_DST",
+    "ARG_SRC",
+    "BF16",
+    "F32",
+    "Dnnl",
+    "DnnlError",
+    "PostOps",
+    "Primitive",
+    "check",
+    "dnnl",
+    "memory_desc",
+    "post_op_arg",
+]
+
+P = ctypes.c_void_p
+
+# data types
+BF16, F32 = 2, 3
+# propagation kinds, algorithms
+FORWARD_INFERENCE = 96
+SOFTMAX_ACCURATE = 0x30000
+# execution argument ids
+ARG_SRC, ARG_SRC_1, ARG_DST = 1, 2, 17
+ARG_WEIGHTS, ARG_BIAS = 33, 41
+_POST_OP_BASE = 16384  # DNNL_ARG_ATTR_MULTIPLE_POST_OP_BASE
+_CPU, _IN_ORDER = 1, 1
+
+
+class DnnlError(RuntimeError):
+    """A oneDNN call returned a status other than success."""
+
+    def __init__(self, call: str, status: int) -> None:
+        super().__init__(f"oneDNN {call} failed with status {status}")
+        self.status = status
+
+
+def check(status: int, call: str = "call") -> None:
+    if status != 0:
+        raise DnnlError(call, status)
+
+
+def post_op_arg(index: int, arg: int = ARG_SRC_1) -> int:
+    """The execution argument id of post-op `index`'s operand (a binary post-op's src1)."""
+    return _POST_OP_BASE * (index + 1) | arg
+
+
+class _Arg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_int), ("memory", P)]
+
+
+class Dnnl:
+    """The library with the argument types this module's calls need, one CPU engine and one
+    in-order stream."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.dnnl_memory_set_data_handle.argtypes = [P, P]
+        lib.dnnl_primitive_execute.argtypes = [P, P, ctypes.c_int, P]
+        lib.dnnl_memory_create.argtypes = [P, P, P, P]
+        lib.dnnl_primitive_create.argtypes = [P, P]
+        f32 = ctypes.c_float
+        lib.dnnl_post_ops_append_eltwise.argtypes = [P, ctypes.c_int, f32, f32]
+        lib.dnnl_post_ops_append_binary.argtypes = [P, ctypes.c_int, P]
+        lib.dnnl_post_ops_append_sum.argtypes = [P, f32, ctypes.c_int32, ctypes.c_int]
+        lib.dnnl_primitive_attr_set_post_ops.argtypes = [P, P]
+        self.engine, self.stream = P(), P()
+        check(lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU, 0), "engine_create")
+        check(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, _IN_ORDER))
+
+
+@functools.cache
+def dnnl() -> Dnnl | None:
+    """The process's oneDNN (loaded after paddle), or None where the wheel has none usable."""
+    lib = onednn_library()
+    try:
+        return None if lib is None else Dnnl(lib)
+    except (AttributeError, DnnlError):
+        return None
+
+
+def _need() -> Dnnl:
+    d = dnnl()
+    if d is None:
+        raise DnnlError("library load", -1)
+    return d
+
+
+class MemoryDesc:
+    """An owned `dnnl_memory_desc_t`: dense row-major, or with explicit strides (in elements)."""
+
+    def __init__(self, dims: Sequence[int], dtype: int, strides: Sequence[int] | None = None):
+        lib = self._lib = _need().lib
+        self.handle = P()
+        n = len(dims)
+        d = (ctypes.c_int64 * n)(*dims)
+        if strides is None:
+            strides = [1] * n
+            for i in range(n - 2, -1, -1):
+                strides[i] = strides[i + 1] * dims[i + 1]
+        s = (ctypes.c_int64 * n)(*strides)
+        check(
+            lib.dnnl_memory_desc_create_with_strides(ctypes.byref(self.handle), n, d, dtype, s),
+            "memory_desc_create_with_strides",
+        )
+
+    def __del__(self) -> None:
+        if self.handle:
+            self._lib.dnnl_memory_desc_destroy(self.handle)
+
+
+def memory_desc(
+    dims: Sequence[int], dtype: int, strides: Sequence[int] | None = None
+) -> MemoryDesc:
+    return MemoryDesc(dims, dtype, strides)
+
+
+class PostOps:
+    """A primitive attribute with post-ops appended in order (`eltwise`, `binary`, `sum`)."""
+
+    def __init__(self) -> None:
+        lib = self._lib = _need().lib
+        self.attr, self._ops = P(), P()
+        check(lib.dnnl_primitive_attr_create(ctypes.byref(self.attr)), "primitive_attr_create")
+        check(lib.dnnl_post_ops_create(ctypes.byref(self._ops)), "post_ops_create")
+        self._keep: list[MemoryDesc] = []
+        self.count = 0
+
+    def eltwise(self, alg: int, alpha: float = 0.0, beta: float = 0.0) -> PostOps:
+        check(self._lib.dnnl_post_ops_append_eltwise(self._ops, alg, alpha, beta), "eltwise")
+        return self._done()
+
+    def binary(self, alg: int, src1: MemoryDesc) -> PostOps:
+        """Appends a binary post-op: its operand is argument `post_op_arg(index)`."""
+        self._keep.append(src1)
+        check(self._lib.dnnl_post_ops_append_binary(self._ops, alg, src1.handle), "binary")
+        return self._done()
+
+    def sum(self, scale: float = 1.0) -> PostOps:
+        """dst += the product's result (dst's values before the call, scaled)."""
+        check(self._lib.dnnl_post_ops_append_sum(self._ops, scale, 0, 0), "sum")
+        return self._done()
+
+    def _done(self) -> PostOps:
+        self.count += 1
+        check(self._lib.dnnl_primitive_attr_set_post_ops(self.attr, self._ops), "set_post_ops")
+        return self
+
+    def __del__(self) -> None:
+        if self._ops:
+            self._lib.dnnl_post_ops_destroy(self._ops)
+        if self.attr:
+            self._lib.dnnl_primitive_attr_destroy(self.attr)
+
+
+class Primitive:
+    """A primitive from its descriptor `pd` (created by the caller with this module's engine;
+    owned from here on) and one memory object per execution argument: `args` pairs an argument
+    id with its descriptor. `__call__(*addresses)` points each argument, in `args`' order, at an
+    address and runs the primitive to completion. A primitive's result for an element depends
+    on its shapes, not on the memory it is pointed at, so one made for a shape serves every
+    array of that shape (callers keep them in an LRU)."""
+
+    def __init__(self, pd: P, args: Sequence[tuple[int, MemoryDesc]]) -> None:
+        d = _need()
+        lib = self._lib = d.lib
+        self._stream = d.stream
+        self._pd, self._prim = pd, P()
+        self._descs = [md for _, md in args]  # the memory objects refer to them
+        check(lib.dnnl_primitive_create(ctypes.byref(self._prim), pd), "primitive_create")
+        self._mems = []
+        for _, md in args:
+            m = P()
+            status = lib.dnnl_memory_create(ctypes.byref(m), md.handle, d.engine, None)
+            check(status, "memory_create")
+            self._mems.append(m)
+        pairs = zip(args, self._mems, strict=True)
+        self._args = (_Arg * len(args))(*(_Arg(a, m) for (a, _), m in pairs))
+        self._n = len(args)
+
+    def __call__(self, *addresses: int) -> None:
+        lib = self._lib
+        for m, a in zip(self._mems, addresses, strict=True):
+            check(lib.dnnl_memory_set_data_handle(m, a), "memory_set_data_handle")
+        check(lib.dnnl_primitive_execute(self._prim, self._stream, self._n, self._args), "execute")
+        check(lib.dnnl_stream_wait(self._stream), "stream_wait")
+
+    def __del__(self) -> None:
+        lib = self._lib
+        for m in getattr(self, "_mems", ()):
+            lib.dnnl_memory_destroy(m)
+        if self._prim:
+            lib.dnnl_primitive_destroy(self._prim)
+        if self._pd:
+            lib.dnnl_primitive_desc_destroy(self._pd)
