@@ -96,15 +96,12 @@ ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
 )
-# Bidirectional encoders (BERT, XLM-RoBERTa, ModernBERT): no LM head, a pooled embedding per
+# Bidirectional encoders (BERT, (XLM-)RoBERTa, ModernBERT): no LM head, a pooled embedding per
 # prompt and, for the *ForSequenceClassification ones, the classifier's logits (embedding.md).
-ENCODER_ARCHITECTURES = (
-    "BertModel",
-    "BertForSequenceClassification",
-    "XLMRobertaModel",
-    "XLMRobertaForSequenceClassification",
-    "ModernBertModel",
-    "ModernBertForSequenceClassification",
+ENCODER_ARCHITECTURES = tuple(
+    f"{family}{kind}"
+    for family in ("Bert", "XLMRoberta", "Roberta", "ModernBert")
+    for kind in ("Model", "ForSequenceClassification", "ForMaskedLM")
 )
 ARCHITECTURES += ENCODER_ARCHITECTURES
 POOLINGS = ("cls", "mean", "last")

@@ -1,14 +1,15 @@
-"""Encoders (BERT, XLM-RoBERTa; ModernBERT's own parts in `hf.modernbert`) from Hugging Face and
-sentence-transformers directories: `config.json` -> `PaddleModel` fields, the directory's
+"""Encoders (BERT, RoBERTa / XLM-RoBERTa; ModernBERT's own parts in `hf.modernbert`) from Hugging
+Face and sentence-transformers directories: `config.json` -> `PaddleModel` fields, the directory's
 sentence-transformers modules (Pooling, Normalize, max_seq_length), and the checkpoint's tensor
 names.
 
 As for decoders (`hf.config`), every config.json key sets a field, is checked to hold the one
 value the forward implements, or is known not to touch the forward; any other key raises
 `InvalidConfig` naming it. Tensor names are transformers' own: the base model's under `bert.` /
-`roberta.` in the *ForSequenceClassification checkpoints, unprefixed in the base models (and in
-sentence-transformers directories); a base model's `pooler.*` and the `embeddings.position_ids`
-buffer are accepted and never read.
+`roberta.` in the *ForSequenceClassification and *ForMaskedLM checkpoints, unprefixed in the
+base models (and in sentence-transformers directories); a base model's `pooler.*`, a masked-LM
+head and the `embeddings.position_ids` buffer are accepted and never read (a *ForMaskedLM
+checkpoint is its base model: an embedding model, as sentence-transformers loads it).
 """
 
 from __future__ import annotations
@@ -41,13 +42,23 @@ __all__ = [
 log = logging.getLogger("aioprefill.hf")
 
 # HF class -> (model_type, base-model prefix of its tensor names, classifier head kind or "").
+# A *ForMaskedLM checkpoint loads as its base model (an embedding model, as
+# sentence-transformers' AutoModel reads it): the masked-LM head's tensors are not read.
+# RoBERTa is XLM-R's forward (transformers' XLMRoberta* classes are copies of Roberta*).
 ENCODERS: dict[str, tuple[str, str, str]] = {
     "BertModel": ("bert", "", ""),
     "BertForSequenceClassification": ("bert", "bert.", "bert"),
+    "BertForMaskedLM": ("bert", "bert.", ""),
     "XLMRobertaModel": ("xlm-roberta", "", ""),
     "XLMRobertaForSequenceClassification": ("xlm-roberta", "roberta.", "roberta"),
+    "XLMRobertaForMaskedLM": ("xlm-roberta", "roberta.", ""),
+    "RobertaModel": ("roberta", "", ""),
+    "RobertaForSequenceClassification": ("roberta", "roberta.", "roberta"),
+    "RobertaForMaskedLM": ("roberta", "roberta.", ""),
     **MODERNBERT,  # hf.modernbert
 }
+# A masked-LM checkpoint's head, by its tensor names' first part: not read.
+_MLM_HEADS = ("cls.predictions.", "lm_head.", "head.", "decoder.")
 # transformers' BertConfig / XLMRobertaConfig defaults for absent keys.
 _DEFAULTS: dict[str, Any] = {
     "hidden_act": "gelu",
@@ -117,7 +128,7 @@ def encoder_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
             raise refuse(key, "missing")
         fields[field] = c[key]
     fields["num_kv_heads"] = fields["num_heads"]
-    if model_type == "xlm-roberta":  # positions count from padding_idx + 1
+    if model_type in ("xlm-roberta", "roberta"):  # positions count from padding_idx + 1
         pad = c["pad_token_id"]
         if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
             raise refuse("pad_token_id", f"must be a non-negative int, got {pad!r}")
@@ -251,9 +262,12 @@ def encoder_shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
 
 
 def encoder_ignored(name: str, spec: ModelShape) -> bool:
-    """Stored tensors an encoder does not read: the position ids buffer, a base model's pooler."""
+    """Stored tensors an encoder does not read: the position ids buffer, a base model's pooler,
+    a masked-LM checkpoint's head."""
     model_type, base, head = ENCODERS[spec.architecture]
-    if model_type == "modernbert":  # every stored tensor is read
+    if spec.architecture.endswith("ForMaskedLM") and name.startswith(_MLM_HEADS):
+        return True
+    if model_type == "modernbert":  # every other stored tensor is read
         return False
     return name.endswith("embeddings.position_ids") or (
         not head and name.startswith(f"{base}pooler.")

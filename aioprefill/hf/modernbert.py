@@ -1,5 +1,6 @@
-"""ModernBERT (`ModernBertModel`, `ModernBertForSequenceClassification`): `config.json` ->
-`PaddleModel` fields, and the checkpoint's tensor names (`hf.encoder` dispatches here).
+"""ModernBERT (`ModernBertModel`, `ModernBertForSequenceClassification`, `ModernBertForMaskedLM`):
+`config.json` -> `PaddleModel` fields, and the checkpoint's tensor names (`hf.encoder` dispatches
+here).
 
 What the forward implements, as transformers 5.24's modeling_modernbert.py computes it: token
 embeddings then a LayerNorm without bias (no positions table: RoPE on queries and keys), pre-norm
@@ -31,6 +32,9 @@ __all__ = ["MODERNBERT", "modernbert_fields", "modernbert_shapes", "num_labels",
 MODERNBERT: dict[str, tuple[str, str, str]] = {
     "ModernBertModel": ("modernbert", "", ""),
     "ModernBertForSequenceClassification": ("modernbert", "model.", "modernbert"),
+    # the base checkpoints' class (answerdotai/ModernBERT-*): its base model; `head.*` and
+    # `decoder.*` (the masked-LM head) are not read (hf.encoder.encoder_ignored)
+    "ModernBertForMaskedLM": ("modernbert", "model.", ""),
 }
 # ModernBertConfig's defaults for the keys read here.
 _DEFAULTS: dict[str, Any] = {
