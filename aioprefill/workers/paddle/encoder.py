@@ -101,6 +101,16 @@ class EncoderRunner:
             a = w[base + name] if base + name in w else w[name]
             return paddle.to_tensor(np.ascontiguousarray(a.T if transpose else a))
 
+        # the classifier, as float32 NumPy [in, out] (one prompt's row at a time)
+        self._head: tuple[np.ndarray, ...] | None = None
+        if head == "bert":
+            names = ("bert.pooler.dense", "classifier")
+        elif head == "roberta":
+            names = ("classifier.dense", "classifier.out_proj")
+        if head:
+            self._head = tuple(
+                np.ascontiguousarray(a) for n in names for a in (w[n + ".weight"].T, w[n + ".bias"])
+            )
         if self.device == "cpu" and self._mm.uses_onednn and fused_available():
             spec = self.spec
 
@@ -110,12 +120,13 @@ class EncoderRunner:
             self._fused = FusedEncoder(
                 get, spec.num_layers, spec.num_heads, spec.layer_norm_eps, self._mm, _FLOOR_ROWS
             )
+            return  # no Paddle copy of the weights
         self._word = t("embeddings.word_embeddings.weight")
         self._pos = t("embeddings.position_embeddings.weight")
         self._types = t("embeddings.token_type_embeddings.weight")
         self._eln = (t("embeddings.LayerNorm.weight"), t("embeddings.LayerNorm.bias"))
         self._layers = []
-        for i in range(0 if self._fused else self.spec.num_layers):
+        for i in range(self.spec.num_layers):
             p = f"encoder.layer.{i}."
             q, k, v, o, ln1, up, down, ln2 = (p + n for n in _LAYER_NAMES)
             qkv = np.concatenate([w[base + n + ".weight"] for n in (q, k, v)])
@@ -133,16 +144,6 @@ class EncoderRunner:
                     t(down + ".bias"),
                     (t(ln2 + ".weight"), t(ln2 + ".bias")),
                 )
-            )
-        # the classifier, as float32 NumPy [in, out] (one prompt's row at a time)
-        self._head: tuple[np.ndarray, ...] | None = None
-        if head == "bert":
-            names = ("bert.pooler.dense", "classifier")
-        elif head == "roberta":
-            names = ("classifier.dense", "classifier.out_proj")
-        if head:
-            self._head = tuple(
-                np.ascontiguousarray(a) for n in names for a in (w[n + ".weight"].T, w[n + ".bias"])
             )
 
     def _linear(self, x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor) -> paddle.Tensor:
