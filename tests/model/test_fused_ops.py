@@ -11,6 +11,7 @@ import paddle
 import pytest
 
 from aioprefill.workers.paddle.fused import attend_, bias_, fused_available, layer_norm_
+from aioprefill.workers.paddle.gemm import Products
 
 paddle.set_device("cpu")
 _erf = np.vectorize(math.erf)
@@ -62,7 +63,8 @@ def test_attention_of_one_prompt_matches_float64(n: int) -> None:
     ctx = np.full((before + n + 2, hidden), 7.0, np.float32)
     scores = np.empty(heads * n * n + 5, np.float32)
     scale = 1 / math.sqrt(hd)
-    attend_(qkv, ctx, before, before + n, heads, scale, scores)
+    mm = Products("cpu", 1, None, gemm="onednn", in_out=True)
+    attend_(mm, qkv, ctx, before, before + n, heads, scale, scores)
     rows = qkv[before : before + n].astype(np.float64).reshape(n, 3, heads, hd)
     q, k, v = (rows[:, i].transpose(1, 0, 2) for i in range(3))
     s = q @ k.transpose(0, 2, 1) * scale

@@ -2,8 +2,8 @@
 sgemm and primitives only (no Paddle op in the forward).
 
 Per layer: qkv = x @ Wqkv (sgemm), + b (`fused.bias_`); attention per prompt (`fused.attend_`:
-scores of every head in one batched primitive reading q and k in place, oneDNN's softmax, the
-probabilities @ v written into the prompt's context rows); res = ctx @ Wo, + x + bo in one pass,
+each head's scores by sgemm reading q and k in place, oneDNN's softmax over all heads at once,
+each head's probabilities @ v written into its columns of the prompt's context rows); res = ctx @ Wo, + x + bo in one pass,
 LayerNorm in place; up = res @ W1, + b1 and exact GELU in one pass; x = up @ W2, + res + b2,
 LayerNorm. The embeddings (word + token type + position rows, NumPy) then the same LayerNorm.
 
@@ -127,8 +127,8 @@ class FusedEncoder:
 
     def _attend(self, qkv: np.ndarray, ctx: np.ndarray, bounds: list[tuple[int, int]]) -> None:
         """Bidirectional attention of every prompt (rows s:e of qkv) into ctx's rows s:e
-        (`fused.attend_`: two batched primitives and a softmax per prompt)."""
+        (`fused.attend_`: per-head sgemm in place around one softmax per prompt)."""
         longest = max(e - s for s, e in bounds)
         scores = self._buf("scores", self.heads * longest, longest)
         for s, e in bounds:
-            attend_(qkv, ctx, s, e, self.heads, self.scale, scores)
+            attend_(self.mm, qkv, ctx, s, e, self.heads, self.scale, scores)

@@ -1,8 +1,8 @@
 """Fused float32 CPU ops on oneDNN's primitives (`paddle.dnnl`), for the encoder forward:
 `bias_` (a product's epilogue in one pass, in place: + bias, then exact GELU, or + residual +
 bias), `layer_norm_` (the layer normalization primitive, scale and shift, in place) and
-`attend_` (one prompt's bidirectional attention: two batched matmul primitives reading q, k and
-v in place from the packed qkv rows, oneDNN's softmax between them).
+`attend_` (one prompt's bidirectional attention: each head's products on oneDNN's sgemm reading
+q, k and v in place from the packed qkv rows, oneDNN's softmax primitive between them).
 
 Why: between an encoder's products, Paddle's eager CPU kernels took ~20% of a forward
 (all-MiniLM-L6-v2, 1 thread, cProfile): its GELU runs a scalar erf (~1.6 ns an element), each
@@ -10,13 +10,15 @@ bias and residual add is a Paddle op of its own (~0.6 ns an element). Measured o
 thread, 6,800 rows: the binary primitive's bias + gelu_erf pass 0.5 ns an element, bias +
 residual 0.2 ns. The products stay on `dnnl_sgemm`: the matmul primitive with the same
 epilogues as post-ops (`brg_matmul:avx512_core`) ran 1.04-1.14x the sgemm's time *plus* the
-separate pass (MiniLM's four shapes), so it is not used for them. Attention's per-head sgemm
-calls (24 a prompt a layer) become two batched primitives: 0.95x the time on MiniLM's lengths.
+separate pass (MiniLM's four shapes), so it is not used for them. Attention's 24 sgemm calls a
+prompt a layer were also tried as two batched matmul primitives (all heads at once, q, k, v read
+in place through strides): 0.95x the time on MiniLM's lengths, but a primitive per prompt length
+(JIT kernels, ~340 KB each: +175 MiB a worker for lengths 1-256), so attention stays on sgemm.
 
 Batch invariance: the epilogues and LayerNorm act on each element or row alone; attention sees
-one prompt, and its primitives depend on that prompt's length only. The enum values are oneDNN
+one prompt, its softmax primitive depends on that prompt's length only. The enum values are oneDNN
 3.x's (`dnnl_types.h`), checked against NumPy (max |d| within float32 rounding of the products).
-A primitive is made once per shape (`_KEEP`, `_KEEP_ATTENTION` kept) and pointed at arrays.
+A primitive is made once per shape (`_KEEP` kept) and pointed at arrays on each call.
 """
 
 from __future__ import annotations
@@ -30,10 +32,8 @@ from aioprefill.workers.paddle.dnnl import (
     ARG_DST,
     ARG_SRC,
     ARG_SRC_1,
-    ARG_WEIGHTS,
     F32,
     FORWARD_INFERENCE,
-    MemoryDesc,
     P,
     PostOps,
     Primitive,
@@ -42,6 +42,7 @@ from aioprefill.workers.paddle.dnnl import (
     memory_desc,
     post_op_arg,
 )
+from aioprefill.workers.paddle.gemm import Products
 from aioprefill.workers.paddle.softmax import softmax_rows_
 
 __all__ = ["attend_", "bias_", "fused_available", "layer_norm_"]
@@ -52,8 +53,6 @@ _ARG_SCALE, _ARG_SHIFT = 51, 52
 _F32 = 4  # bytes
 _USE_SCALE, _USE_SHIFT = 0x2, 0x4
 _KEEP = 64  # shapes whose primitive is kept (a forward uses 4 matmul shapes and 1 norm shape)
-_KEEP_ATTENTION = 1024  # attention's: two per prompt length
-_LINEAR = 0x26  # dnnl_eltwise_linear: alpha * x + beta
 
 
 def fused_available() -> bool:
@@ -140,55 +139,24 @@ def layer_norm_(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float)
     return x
 
 
-def _matmul(src: MemoryDesc, w: MemoryDesc, dst: MemoryDesc, ops: PostOps | None) -> Primitive:
-    d = dnnl()
-    assert d is not None
-    d.lib.dnnl_matmul_primitive_desc_create.argtypes = [P] * 7
-    pd = P()
-    attr = None if ops is None else ops.attr
-    check(
-        d.lib.dnnl_matmul_primitive_desc_create(
-            ctypes.byref(pd), d.engine, src.handle, w.handle, None, dst.handle, attr
-        ),
-        "matmul_primitive_desc_create",
-    )
-    prim = Primitive(pd, [(ARG_SRC, src), (ARG_WEIGHTS, w), (ARG_DST, dst)])
-    prim.keep = ops  # type: ignore[attr-defined]
-    return prim
-
-
-@functools.lru_cache(maxsize=_KEEP_ATTENTION)
-def _scores(n: int, heads: int, hd: int, scale: float) -> Primitive:
-    """Every head's q_h k_h^T * scale of one n-token prompt, q and k read in place from its
-    packed qkv rows (row stride 3 * heads * hd) -> dense [heads, n, n]."""
-    width = 3 * heads * hd
-    q = memory_desc([heads, n, hd], F32, [hd, width, 1])
-    k_t = memory_desc([heads, hd, n], F32, [hd, 1, width])  # k_h transposed, in place
-    return _matmul(q, k_t, memory_desc([heads, n, n], F32), PostOps().eltwise(_LINEAR, scale))
-
-
-@functools.lru_cache(maxsize=_KEEP_ATTENTION)
-def _context(n: int, heads: int, hd: int) -> Primitive:
-    """Every head's probabilities [n, n] @ v_h (read in place from the qkv rows), written into
-    the head's columns of the context rows (row stride heads * hd)."""
-    hidden = heads * hd
-    v = memory_desc([heads, n, hd], F32, [hd, 3 * hidden, 1])
-    out = memory_desc([heads, n, hd], F32, [hd, hidden, 1])
-    return _matmul(memory_desc([heads, n, n], F32), v, out, None)
-
-
 def attend_(
-    qkv: np.ndarray, ctx: np.ndarray, s: int, e: int, heads: int, scale: float,
+    mm: Products, qkv: np.ndarray, ctx: np.ndarray, s: int, e: int, heads: int, scale: float,
     scores: np.ndarray,
 ) -> None:  # fmt: skip
     """Bidirectional attention of the prompt in rows s:e of the packed qkv [rows, 3 * hidden]
-    (q, k, v column blocks) into ctx's rows s:e [rows, hidden]: one batched matmul primitive
-    for every head's scores, oneDNN's softmax over all their rows, one for the context.
-    `scores`: a C-contiguous float32 buffer of at least heads * n * n."""
+    (q, k, v column blocks) into ctx's rows s:e [rows, hidden]: each head's scores
+    q_h k_h^T * scale by oneDNN's sgemm with leading dimensions (q_h, k_h read in place) into
+    `scores` (C-contiguous float32, at least heads * n * n), oneDNN's softmax over every row of
+    every head in one call, each head's probabilities @ v_h written straight into its columns
+    of ctx. No copies, no transposes, no primitive per prompt length."""
     n, hidden = e - s, ctx.shape[1]
-    hd = hidden // heads
-    row = qkv.ctypes.data + s * qkv.shape[1] * _F32
-    sp = scores.ctypes.data
-    _scores(n, heads, hd, scale)(row, row + hidden * _F32, sp)
+    hd, width = hidden // heads, qkv.shape[1]
+    row, sp = qkv.ctypes.data + s * width * _F32, scores.ctypes.data
+    out = ctx.ctypes.data + s * hidden * _F32
+    for h in range(heads):
+        q, k, a = row + h * hd * _F32, row + (hidden + h * hd) * _F32, sp + h * n * n * _F32
+        mm.strided(n, n, hd, scale, q, width, k, width, a, n, transpose_b=True)
     softmax_rows_(scores.reshape(-1)[: heads * n * n].reshape(heads * n, n))
-    _context(n, heads, hd)(sp, row + 2 * hidden * _F32, ctx.ctypes.data + s * hidden * _F32)
+    for h in range(heads):
+        a, v = sp + h * n * n * _F32, row + (2 * hidden + h * hd) * _F32
+        mm.strided(n, hd, n, 1.0, a, n, v, width, out + h * hd * _F32, hidden, transpose_b=False)
