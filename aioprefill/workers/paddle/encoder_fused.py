@@ -12,8 +12,8 @@ Measured (all-MiniLM-L6-v2, 300 sentences of 8-256 tokens, batches of <= 8,192 t
 thread, in-process, measurement lock): 9.5-9.9 CPU-s against 10.8-11.6 for the Paddle path it
 replaces (1.14-1.18x); the products (at the core's float32 peak) are ~82% of the forward now.
 
-Buffers are kept between forwards (grow-only, by at least half: no page faults on each batch's
-~50 MB, nor on each slightly larger batch). Rows are
+Buffers are kept between forwards (grow-only, a power of two of rows: no page faults on each
+batch's ~120 MB, nor on each slightly larger batch). Rows are
 padded to `floor_rows` (zero rows, cut off at the end) so every product keeps the row counts
 whose bits `paddle.gemm` measured batch-invariant; attention, softmax, the epilogues and
 LayerNorm see a prompt's, a row's or an element's own values only.
@@ -82,14 +82,18 @@ class FusedEncoder:
         self._bufs: dict[str, np.ndarray] = {}
 
     def _buf(self, name: str, rows: int, cols: int) -> np.ndarray:
-        """A kept buffer's first rows x cols; it grows by at least half its size: a batch a
-        little larger than the last would otherwise fault in a fresh ~50 MB (first touches cost
-        0.8 CPU-s on a 6-batch pass of 8,192-token batches: measured, in-process)."""
-        b = self._bufs.get(name)
+        """A kept buffer's first rows x cols. It holds a power of two of rows (batches are cut
+        at `max_batch_tokens`, a power of two by default, so the buffers stop growing at the
+        first full batch), and the old one is dropped before the new one is made (malloc can
+        reuse its memory): each growth faults in fresh pages, ~1 s for MiniLM's ~120 MB at
+        8,192 rows on this VM (measured: the engine's first two full batches ran ~1 s slower
+        each when the buffers grew to every slightly larger batch)."""
         need = rows * cols
+        b = self._bufs.get(name)
         if b is None or b.size < need:
-            grown = need if b is None else max(need, b.size * 3 // 2)
-            b = self._bufs[name] = np.empty(grown, np.float32)
+            self._bufs.pop(name, None)
+            del b
+            b = self._bufs[name] = np.empty((1 << max(rows - 1, 0).bit_length()) * cols, np.float32)
         return b[:need].reshape(rows, cols)
 
     def hidden(
