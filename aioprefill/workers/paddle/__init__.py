@@ -6,5 +6,6 @@ oneDNN/MKL products); `attention`, `norm`, `ops` (RoPE, SwiGLU, masked softmax),
 and `moe` are the layers; `head` and `logits` the outputs (next token, logprobs, top-k,
 embeddings); `prefix` the prefix-cache reads and writes; `shard` a tensor-parallel rank's
 share; `rows` checks that a product gives a row the same bits whatever the batch. `encoder`
-(BERT, XLM-RoBERTa) and `modernbert` are the encoder runners.
+(BERT, XLM-RoBERTa) and `modernbert` are the encoder runners; `encoder_fused` runs `encoder`'s
+forward on oneDNN's primitives (`dnnl`, `fused`) on a CPU.
 """
