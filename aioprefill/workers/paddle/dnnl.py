@@ -22,16 +22,22 @@ from aioprefill.workers.paddle.env import onednn_library
 __all__ = [
     "ARG_DST",
     "ARG_SRC",
+    "ARG_SRC_1",
     "BF16",
+    "BINARY_MUL",
+    "ELTWISE_SWISH",
     "F32",
     "Dnnl",
     "DnnlError",
     "PostOps",
     "Primitive",
+    "binary_primitive",
     "check",
     "dnnl",
+    "eltwise_primitive",
     "memory_desc",
     "post_op_arg",
+    "reorder_primitive",
 ]
 
 P = ctypes.c_void_p
@@ -41,6 +47,8 @@ BF16, F32 = 2, 3
 # propagation kinds, algorithms
 FORWARD_INFERENCE = 96
 SOFTMAX_ACCURATE = 0x30000
+ELTWISE_SWISH = 0x2C  # x * sigmoid(alpha * x); dnnl_eltwise_relu is 0x20, then tanh, elu, ...
+BINARY_MUL = 0x1FFF1
 # execution argument ids
 ARG_SRC, ARG_SRC_1, ARG_DST = 1, 2, 17
 ARG_WEIGHTS, ARG_BIAS = 33, 41
@@ -214,3 +222,44 @@ class Primitive:
             lib.dnnl_primitive_destroy(self._prim)
         if self._pd:
             lib.dnnl_primitive_desc_destroy(self._pd)
+
+
+def _pd(create: str, argtypes: list, *args: object) -> P:  # type: ignore[type-arg]
+    """A primitive descriptor from oneDNN's `create` function, raising `DnnlError`."""
+    d = _need()
+    fn = getattr(d.lib, create)
+    fn.argtypes = [P, *argtypes]
+    pd = P()
+    check(fn(ctypes.byref(pd), *args), create)
+    return pd
+
+
+def reorder_primitive(src: MemoryDesc, dst: MemoryDesc) -> Primitive:
+    """A copy of `src` into `dst`'s layout and data type (called with src's, then dst's
+    address). f32 to bf16 rounds to nearest even (vcvtneps2bf16 where the CPU has it)."""
+    e = _need().engine
+    args = (src.handle, e, dst.handle, e, None)
+    pd = _pd("dnnl_reorder_primitive_desc_create", [P, P, P, P, P], *args)
+    return Primitive(pd, [(ARG_SRC, src), (ARG_DST, dst)])
+
+
+def eltwise_primitive(
+    alg: int, src: MemoryDesc, dst: MemoryDesc, alpha: float = 0.0, beta: float = 0.0
+) -> Primitive:
+    """An element-wise op (called with src's, then dst's address; the same address: in place).
+    oneDNN 3.6 JIT-compiles it only for dense memory with src and dst of one data type and no
+    post-ops (checked with ONEDNN_VERBOSE=all: the rest runs its reference loops)."""
+    f, i = ctypes.c_float, ctypes.c_int
+    pd = _pd(
+        "dnnl_eltwise_forward_primitive_desc_create", [P, i, i, P, P, f, f, P],
+        _need().engine, FORWARD_INFERENCE, alg, src.handle, dst.handle, alpha, beta, None,
+    )  # fmt: skip
+    return Primitive(pd, [(ARG_SRC, src), (ARG_DST, dst)])
+
+
+def binary_primitive(alg: int, src0: MemoryDesc, src1: MemoryDesc, dst: MemoryDesc) -> Primitive:
+    """dst = src0 (op) src1 (called with src0's, src1's, dst's addresses). JIT-compiled for
+    float32 in and out (a bf16 dst ran oneDNN 3.6's reference loops on an AMD Zen 4)."""
+    args = (_need().engine, alg, src0.handle, src1.handle, dst.handle, None)
+    pd = _pd("dnnl_binary_primitive_desc_create", [P, ctypes.c_int, P, P, P, P], *args)
+    return Primitive(pd, [(ARG_SRC, src0), (ARG_SRC_1, src1), (ARG_DST, dst)])

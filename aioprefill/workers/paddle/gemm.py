@@ -43,6 +43,7 @@ import ctypes
 
 import paddle
 
+from aioprefill.workers.paddle.dnnl import dnnl
 from aioprefill.workers.paddle.env import cpu_gemm
 from aioprefill.workers.paddle.onednn import (
     Bf16Cast,
@@ -51,6 +52,7 @@ from aioprefill.workers.paddle.onednn import (
     load_sgemm,
     set_openmp_threads,
 )
+from aioprefill.workers.paddle.ops import swiglu, swiglu_planes
 
 __all__ = ["Products", "weights_in_out"]
 
@@ -136,6 +138,32 @@ class Products:
             parts = paddle.split(x, x.shape[0] // tile)
             return paddle.concat([paddle.matmul(t, w, transpose_y=ty) for t in parts])
         return self._xw(x, w, tile or x.shape[0], transposed=ty, split=split)
+
+    def swiglu_linear(
+        self, x: paddle.Tensor, w: paddle.Tensor, *, split: bool = False
+    ) -> paddle.Tensor:
+        """silu(gate) * up for the gate/up layer `w` (outputs [gate | up]): `paddle.ops.swiglu`
+        of `linear`, or with a bf16 w on a CPU with oneDNN the gate and up products (tiled like
+        `linear`) into two planes, then `paddle.ops.swiglu_planes` (no NumPy passes)."""
+        if w.dtype != paddle.bfloat16 or self.in_out or not self._fast(x, w) or dnnl() is None:
+            return swiglu(self.linear(x, w, split=split))
+        x, w = _contiguous(x), _contiguous(w)
+        rows, k = x.shape
+        n = w.shape[0] // 2
+        planes = paddle.empty([2, rows, n], dtype=x.dtype)
+        out = paddle.empty([rows, n], dtype=x.dtype)
+        if rows == 0:
+            return out
+        gemm, passes, xs, ws = self._gemm(x, w, split)
+        wp, pp, step = w.data_ptr(), planes.data_ptr(), self._tile or rows
+        for lo in range(0, rows, step):
+            m = min(step, rows - lo)
+            for half in (0, 1):  # gate's rows of w, then up's
+                c, b = pp + (half * rows + lo) * n * _FLOAT, wp + half * n * k * ws
+                for xp, beta in passes:
+                    check(gemm(b"N", b"T", m, n, k, 1.0, xp + lo * k * xs, k, b, k, beta, c, n))
+        swiglu_planes(rows * n)(pp, out.data_ptr())
+        return out
 
     def project(self, x: paddle.Tensor, w: paddle.Tensor, *, split: bool = False) -> paddle.Tensor:
         """[rows, hidden] x [heads, hidden, dim] -> [heads, rows, dim]; tiled like `linear`."""

@@ -14,6 +14,14 @@ import paddle
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.dtype import cpu_bf16_units
+from aioprefill.workers.paddle.dnnl import (
+    BF16,
+    F32,
+    Primitive,
+    dnnl,
+    memory_desc,
+    reorder_primitive,
+)
 from aioprefill.workers.paddle.env import onednn_library, paddle_libs
 
 __all__ = [
@@ -86,7 +94,8 @@ def cpu_bf16(dtype: str, device: str) -> bool:
 class Bf16Cast:
     """float32 tensor -> its values rounded to bfloat16 (round to nearest even), as uint16 bits
     in kept, grow-only buffers (one set per `Products`: products run one at a time). Bitwise
-    Paddle's cast (checked in the study), 3x faster; NaNs are not expected in activations.
+    Paddle's cast (checked in the study); by oneDNN's reorder where the wheel has oneDNN, else
+    NumPy passes on the bits (3x Paddle's cast); NaNs are not expected in activations.
     `split`: also the rest, x - hi, rounded to bfloat16 the same way (bf16x2: hi + lo carry x
     to ~2^-17 of its value, where hi alone carries it to 2^-9)."""
 
@@ -100,7 +109,11 @@ class Bf16Cast:
         return b[:n]
 
     def _round(self, u: np.ndarray, name: str) -> np.ndarray:
-        t, o = self._buf("u32", u.size, np.uint32), self._buf(name, u.size, np.uint16)
+        o = self._buf(name, u.size, np.uint16)
+        if u.size and dnnl() is not None:  # one oneDNN reorder pass: the same bits, ~5x faster
+            _to_bf16(u.size)(u.ctypes.data, o.ctypes.data)
+            return o
+        t = self._buf("u32", u.size, np.uint32)
         np.right_shift(u, 16, out=t)
         np.bitwise_and(t, 1, out=t)
         np.add(t, 0x7FFF, out=t)
@@ -123,6 +136,14 @@ class Bf16Cast:
         np.left_shift(r32, 16, out=r32)  # hi's values
         np.subtract(u.view(np.float32), rest, out=rest)  # exact: x - hi
         return int(hi.ctypes.data), int(self._round(r32, "lo").ctypes.data)
+
+
+@functools.lru_cache(maxsize=64)
+def _to_bf16(n: int) -> Primitive:
+    """float32 [n] -> bfloat16 [n], oneDNN's reorder: round to nearest even, bitwise the NumPy
+    passes above (checked on SmolLM2's activations and on ties; tests/model/test_bf16.py), one
+    read and one write (2,240 x 576: 0.13 against 0.64 ms, 1 thread, AMD Zen 4)."""
+    return reorder_primitive(memory_desc([n], F32), memory_desc([n], BF16))
 
 
 def set_openmp_threads(threads: int) -> None:

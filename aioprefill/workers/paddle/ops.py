@@ -27,9 +27,17 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from aioprefill.workers.paddle.dnnl import (
+    BINARY_MUL,
+    ELTWISE_SWISH,
+    F32,
+    binary_primitive,
+    eltwise_primitive,
+    memory_desc,
+)
 from aioprefill.workers.paddle.softmax import onednn_softmax_available, softmax_rows_
 
-__all__ = ["Rope", "causal_softmax_", "round_bf16_", "swiglu"]
+__all__ = ["Rope", "causal_softmax_", "round_bf16_", "swiglu", "swiglu_planes"]
 
 # SwiGLU runs this many rows at a time: a chunk's gate, up and scratch stay in L2 (32 x 1,536
 # floats are 192 KiB); 16 to 128 rows measured within 10% of each other (outside a forward).
@@ -86,6 +94,31 @@ def swiglu(x: paddle.Tensor) -> paddle.Tensor:
         np.add(np.exp(t, out=t), 1, out=t)
         np.multiply(np.divide(gate, t, out=dst), a[lo:hi, n:], out=dst)
     return out
+
+
+class _SwigluPlanes:
+    """silu(gate) * up for `n` elements held as two planes (gate's n floats, then up's n), by
+    two oneDNN primitives: swish over the gate plane in place, then gate * up into `out`."""
+
+    def __init__(self, n: int) -> None:
+        md = memory_desc([n], F32)
+        self._swish = eltwise_primitive(ELTWISE_SWISH, md, md, 1.0)
+        self._mul = binary_primitive(BINARY_MUL, md, md, md)
+        self._n = n
+
+    def __call__(self, planes: int, out: int) -> None:
+        self._swish(planes, planes)
+        self._mul(planes, planes + 4 * self._n, out)
+
+
+@functools.lru_cache(maxsize=64)
+def swiglu_planes(n: int) -> _SwigluPlanes:
+    """SwiGLU on planes of `n` float32 elements (`paddle.gemm.Products.swiglu_linear` on a
+    bfloat16 CPU): two JIT-compiled passes, where `swiglu`'s NumPy takes five and the bf16
+    product's input rounding a sixth (2,240 x 1,536: ~3 against ~10 ms, 1 thread, AMD Zen 4).
+    oneDNN's swish in one fused pass (a binary post-op, or a bf16 or strided dst) runs its
+    reference loops in 3.6, so the gate and up products are made into separate planes."""
+    return _SwigluPlanes(n)
 
 
 class _Upper:

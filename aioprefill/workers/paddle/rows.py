@@ -64,7 +64,8 @@ def row_floor(
     for name in ("gate_up", "down"):
         w = getattr(layer, name, None)
         if w is not None:  # None: a mixture of experts
-            checks.append((name, mm.linear, w, mm.in_features(w), _SIZES, _BIG))
+            product = mm.swiglu_linear if name == "gate_up" else mm.linear  # as the forward
+            checks.append((name, product, w, mm.in_features(w), _SIZES, _BIG))
     head = lm_head[:VOCAB_CHUNK] if lm_head.place.is_cpu_place() else lm_head  # as head_rows
     checks.append(("head", mm.product, head, lm_head.shape[1], _HEAD_SIZES, HEAD_ROWS))
     rng = np.random.default_rng(0)

@@ -65,7 +65,7 @@ from aioprefill.workers.paddle.gemm import Products, weights_in_out  # noqa: E40
 from aioprefill.workers.paddle.head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle.norm import rms_norm_for  # noqa: E402
 from aioprefill.workers.paddle.onednn import cpu_bf16  # noqa: E402
-from aioprefill.workers.paddle.ops import Rope, round_bf16_, swiglu  # noqa: E402
+from aioprefill.workers.paddle.ops import Rope, round_bf16_  # noqa: E402
 from aioprefill.workers.paddle.prefix import PrefixForward, keep_tail  # noqa: E402
 from aioprefill.workers.paddle.rows import checked_products  # noqa: E402
 from aioprefill.workers.paddle.shard import Shard  # noqa: E402
@@ -216,7 +216,8 @@ class PaddleRunner:
         """The dense SwiGLU MLP, or the layer's mixture of experts (partial sums under TP)."""
         if layer.moe is not None:
             return layer.moe.forward(h, self._shard.group if self._shard.ep_size > 1 else None)
-        return self._linear(swiglu(self._linear(h, layer.gate_up, split)), layer.down, split)
+        act = self._mm.swiglu_linear(h, layer.gate_up, split=split)  # silu(gate) * up
+        return self._linear(act, layer.down, split)
 
     def _check(self, batch: ForwardBatch) -> None:
         if batch.size == 0:
