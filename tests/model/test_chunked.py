@@ -153,7 +153,7 @@ def test_a_failed_forward_drops_the_state_of_its_requests(fresh: PaddleRunner, m
     from aioprefill.workers.paddle import runner as paddle_runner
     p, other = prompts(np.random.default_rng(7), [30, 20], SMALL.vocab_size)
     fresh.forward(make_batch([p[:10], other[:10]], ids=[1, 2], last=[False, False]))
-    real, calls = paddle_runner.attend, []
+    real, calls = paddle_runner.attend_rows, []
 
     def fail_in_layer_1(*args, **kwargs):
         calls.append(args[6])
@@ -161,11 +161,11 @@ def test_a_failed_forward_drops_the_state_of_its_requests(fresh: PaddleRunner, m
             raise MemoryError("out of memory")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(paddle_runner, "attend", fail_in_layer_1)
+    monkeypatch.setattr(paddle_runner, "attend_rows", fail_in_layer_1)
     with pytest.raises(MemoryError):
         fresh.forward(make_batch([p[10:20]], ids=[1], starts=[10], last=[False]))
     assert 1 in calls
-    monkeypatch.setattr(paddle_runner, "attend", real)
+    monkeypatch.setattr(paddle_runner, "attend_rows", real)
     assert fresh.num_cached == 1  # request 2 was not in the failed batch
     with pytest.raises(ValueError, match="request 1"):
         fresh.forward(make_batch([p[10:]], ids=[1], starts=[10]))

@@ -37,7 +37,14 @@ from aioprefill.workers.paddle.dnnl import (
 )
 from aioprefill.workers.paddle.softmax import onednn_softmax_available, softmax_rows_
 
-__all__ = ["Rope", "causal_softmax_", "round_bf16_", "swiglu", "swiglu_planes"]
+__all__ = [
+    "Rope",
+    "causal_softmax_",
+    "causal_softmax_rows_",
+    "round_bf16_",
+    "swiglu",
+    "swiglu_planes",
+]
 
 # SwiGLU runs this many rows at a time: a chunk's gate, up and scratch stay in L2 (32 x 1,536
 # floats are 192 KiB); 16 to 128 rows measured within 10% of each other (outside a forward).
@@ -157,12 +164,25 @@ def causal_softmax_(
         shaped = shaped + paddle.concat([before, tri], axis=1)
         return F.softmax(shaped, axis=-1).reshape(scores.shape)
     s = np.from_dlpack(scores).reshape(heads, rows, keys)
+    if s.dtype == np.float32 and onednn_softmax_available():
+        causal_softmax_rows_(s, diag, first)
+        return scores
     own = s[:, :, keys - diag :]
     np.add(own, _upper(first, rows, diag), out=own)
-    if s.dtype == np.float32 and onednn_softmax_available():
-        softmax_rows_(s)
-        return scores
     return F.softmax(scores, axis=-1)
+
+
+def causal_softmax_rows_(
+    s: np.ndarray, diag: int, first: int = 0, at: int = 0, count: int | None = None
+) -> None:
+    """`causal_softmax_` on a C-contiguous float32 NumPy array [heads, rows, keys], in place,
+    by oneDNN's softmax (CPU only: `onednn_softmax_available`). Only rows `at : at + count`
+    (all by default) are masked, as the tile's rows `first ...`: the rest are padding."""
+    keys = s.shape[-1]
+    count = s.shape[-2] - at if count is None else count
+    own = s[:, at : at + count, keys - diag :]
+    np.add(own, _upper(first, count, diag), out=own)
+    softmax_rows_(s)
 
 
 def round_bf16_(t: paddle.Tensor) -> paddle.Tensor:

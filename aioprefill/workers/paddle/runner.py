@@ -60,7 +60,7 @@ from aioprefill.parallel import ParallelMode  # noqa: E402
 from aioprefill.wire.kv import kv_layout  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
-from aioprefill.workers.paddle.attention import KVCache, attend, export_layer  # noqa: E402
+from aioprefill.workers.paddle.attention import KVCache, attend_rows, export_layer  # noqa: E402
 from aioprefill.workers.paddle.gemm import Products, weights_in_out  # noqa: E402
 from aioprefill.workers.paddle.head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle.norm import rms_norm_for  # noqa: E402
@@ -291,7 +291,8 @@ class PaddleRunner:
         prefix = (
             None if plan is None or self._store is None else PrefixForward(self._store, plan, batch)
         )
-        att = functools.partial(attend, tile=_ATTN_TILE, mm=self._mm)
+        att = functools.partial(attend_rows, tile=_ATTN_TILE, mm=self._mm, bf16=self._bf16)
+        keep = [not last for last in is_last]
         bounds = list(itertools.pairwise(offsets.tolist()))
         exports = self._exports = open_writers(batch, kv_layout(spec), self._kv_share)
         eps, rms_norm = spec.rms_norm_eps, self._rms_norm
@@ -317,16 +318,14 @@ class PaddleRunner:
             k, v = qk[heads:], qkv[qk_heads:]
             if self._round_kv:  # K/V as a bf16 slot holds them: a hit reads what was attended to
                 k, v = round_bf16_(k), round_bf16_(v)
-            outs = []
-            for i, ((a, b), cache, last) in enumerate(zip(bounds, caches, is_last, strict=True)):
+
+            def before(i: int, cache: KVCache, index: int = index, k=k, v=v) -> None:
                 if prefix is not None:  # cached K/V in, completed blocks out, in batch order
                     prefix.at_layer(index, i, cache, k, v)
-                if i in exports:  # before attend() extends the cache
-                    export_layer(exports[i], index, cache, k, v, a, b)
-                outs.append(att(q, k, v, a, b, cache, index, keep=not last))
-            if rows > total:
-                outs.append(paddle.zeros([heads, rows - total, dim], dtype=x.dtype))
-            attn = paddle.concat(outs, axis=1).transpose([1, 0, 2]).reshape([rows, heads * dim])
+                if i in exports:  # before attention extends the cache
+                    export_layer(exports[i], index, cache, k, v, *bounds[i])
+
+            attn = att(q, k, v, bounds, caches, keep, index, rows, before)  # [rows, heads * dim]
             x = x + self._shard.reduce(self._linear(attn, layer.o, split))
             h = rms_norm(x, layer.post_norm, eps)
             x = x + self._shard.reduce(self._mlp(h, layer, split))
