@@ -2,8 +2,9 @@
 
 Each round runs one child process per checkout (A, then B; the order flips every round), each
 importing `aioprefill` from its own tree: it builds `PaddleRunner` on the shipped SmolLM2-135M
-GGUF (float32, `--threads` threads), runs one warm-up forward of `--batch` (N prompts x L
-random ids) and then `--repeats` forwards, and reports the process's CPU time and wall time.
+GGUF (float32, or `--dtype bfloat16`; `--threads` threads), runs one warm-up forward of
+`--batch` (N prompts x L random ids) and then `--repeats` forwards, and reports the process's
+CPU time and wall time.
 Prints per checkout the median tokens per CPU-second over the rounds, each round's figures, and
 B / A. With `--scores` every prompt asks for its prompt logprobs (the LM head over every
 position). CPU time is the figure to read on a shared machine.
@@ -39,7 +40,9 @@ def child(args: argparse.Namespace) -> None:
     from tests.hf.smollm2 import gguf_path
 
     n, length = (int(x) for x in args.batch.split("x"))
-    spec = PaddleModel.from_pretrained(gguf_path(), device="cpu", num_threads=args.threads)
+    spec = PaddleModel.from_pretrained(
+        gguf_path(), device="cpu", num_threads=args.threads, dtype=args.dtype
+    )
     runner = paddle_runner.PaddleRunner(spec)
     rng = np.random.default_rng(0)
     offsets = np.arange(n + 1, dtype=np.int32) * length
@@ -65,6 +68,7 @@ def run_child(tree: str, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", tree]
     cmd += ["--batch", args.batch, "--threads", str(args.threads), "--repeats", str(args.repeats)]
     cmd += ["--scores"] if args.scores else []
+    cmd += ["--dtype", args.dtype]
     env = dict(os.environ, PYTHONPATH=tree)
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=tree)
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -80,6 +84,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per child")
     parser.add_argument("--scores", action="store_true", help="ask for prompt logprobs")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
