@@ -224,7 +224,7 @@ class Primitive:
             lib.dnnl_primitive_desc_destroy(self._pd)
 
 
-def _pd(create: str, argtypes: list, *args: object) -> P:  # type: ignore[type-arg]
+def _pd(create: str, argtypes: list, *args: object) -> P:
     """A primitive descriptor from oneDNN's `create` function, raising `DnnlError`."""
     d = _need()
     fn = getattr(d.lib, create)
