@@ -15,6 +15,7 @@ import sys
 import zipfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -81,3 +82,20 @@ def classifier_dir(name: str) -> Path:
 def classifier_goldens(name: str) -> list[dict]:
     """transformers' logits of query/document pairs (ids, token type ids, logit, logit_fp64)."""
     return json.loads((DATA / name / "expected.json").read_text())["pairs"]
+
+
+def runner_embeddings(runner: Any, prompts: list) -> np.ndarray:
+    """An in-process encoder runner's embeddings of `prompts` (token id lists or arrays) as one
+    packed batch, no engine started."""
+    from aioprefill.workers.runner import ForwardBatch
+
+    offsets = np.concatenate([[0], np.cumsum([len(p) for p in prompts])]).astype(np.int32)
+    return runner.forward(
+        ForwardBatch(
+            request_ids=np.arange(len(prompts), dtype=np.int64),
+            offsets=offsets,
+            tokens=np.concatenate(prompts).astype(np.int32),
+            start_pos=np.zeros(len(prompts), np.int32),
+            is_last=np.ones(len(prompts), bool),
+        )
+    ).embeddings

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -23,20 +22,7 @@ from safetensors.numpy import load_file, save_file
 from aioprefill import PaddleModel
 from aioprefill.errors import InvalidConfig
 from aioprefill.workers.runner import ForwardBatch
-from tests.encoder_models import DATA, classifier_dir, classifier_goldens
-
-
-def _forward(runner: Any, prompts: list[list[int]]) -> np.ndarray:
-    offsets = np.concatenate([[0], np.cumsum([len(p) for p in prompts])]).astype(np.int32)
-    return runner.forward(
-        ForwardBatch(
-            request_ids=np.arange(len(prompts), dtype=np.int64),
-            offsets=offsets,
-            tokens=np.concatenate(prompts).astype(np.int32),
-            start_pos=np.zeros(len(prompts), np.int32),
-            is_last=np.ones(len(prompts), bool),
-        )
-    ).embeddings
+from tests.encoder_models import DATA, classifier_dir, classifier_goldens, runner_embeddings
 
 
 def _resave(src: Path, dst: Path, arch: str, rename, extra: dict[str, np.ndarray], **config):
@@ -69,7 +55,7 @@ def test_masked_lm_and_roberta_classes_load_the_same_model(name: str, tmp_path: 
     rng = np.random.default_rng(0)
     src = classifier_dir(name)
     prompts = [p["input_ids"] for p in classifier_goldens(name)]
-    want = _forward(EncoderRunner(PaddleModel.from_pretrained(src)), prompts)
+    want = runner_embeddings(EncoderRunner(PaddleModel.from_pretrained(src)), prompts)
     spec = PaddleModel.from_pretrained(src)
     h, vocab = spec.hidden_size, spec.vocab_size
     if name == "bert_cls":
@@ -113,7 +99,7 @@ def test_masked_lm_and_roberta_classes_load_the_same_model(name: str, tmp_path: 
         assert got.architecture == arch and got.is_encoder
         assert got.position_offset == spec.position_offset, arch  # RoBERTa's pad + 1 too
         runner = EncoderRunner(got)
-        np.testing.assert_array_equal(_forward(runner, prompts), want, err_msg=arch)
+        np.testing.assert_array_equal(runner_embeddings(runner, prompts), want, err_msg=arch)
         if arch.endswith("ForSequenceClassification"):
             ids = prompts[0]
             out = runner.forward(
@@ -143,9 +129,9 @@ def test_modernbert_masked_lm_is_its_base_model(tmp_path: Path) -> None:
     assert got.architecture == "ModernBertForMaskedLM" and got.num_labels == 0
     assert (got.pooling, got.normalize) == (spec.pooling, spec.normalize)
     want = np.load(src / "embeddings.npy")  # sentence-transformers' encode
-    out = _forward(ModernBertRunner(got), prompts)
+    out = runner_embeddings(ModernBertRunner(got), prompts)
     np.testing.assert_allclose(out, want, atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(out, _forward(ModernBertRunner(spec), prompts))
+    np.testing.assert_array_equal(out, runner_embeddings(ModernBertRunner(spec), prompts))
 
 
 def test_a_masked_lm_checkpoint_without_its_base_prefix_is_refused(tmp_path: Path) -> None:

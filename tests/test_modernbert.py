@@ -15,7 +15,6 @@ import json
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -25,8 +24,7 @@ import uvloop
 from aioprefill import Engine, EngineConfig, InvalidRequest, PaddleModel, Tokenizer
 from aioprefill.errors import InvalidConfig
 from aioprefill.text.encoder_text import EncoderText
-from aioprefill.workers.runner import ForwardBatch
-from tests.encoder_models import DATA
+from tests.encoder_models import DATA, runner_embeddings
 from tests.test_encoder import EngineThread
 
 EMBED = DATA / "modernbert"
@@ -164,33 +162,22 @@ def test_classifier_logits_equal_transformers(pooling: str, tmp_path: Path) -> N
         np.testing.assert_array_equal(r.embedding, batched[i].embedding)
 
 
-def _forward(runner: Any, prompts: list[np.ndarray]) -> np.ndarray:
-    offsets = np.concatenate([[0], np.cumsum([len(p) for p in prompts])]).astype(np.int32)
-    return runner.forward(
-        ForwardBatch(
-            request_ids=np.arange(len(prompts), dtype=np.int64),
-            offsets=offsets,
-            tokens=np.concatenate(prompts).astype(np.int32),
-            start_pos=np.zeros(len(prompts), np.int32),
-            is_last=np.ones(len(prompts), bool),
-        )
-    ).embeddings
-
-
 def test_the_window_the_layer_pattern_and_both_thetas_each_matter() -> None:
     from aioprefill.workers.paddle.modernbert import ModernBertRunner
 
     spec = PaddleModel.from_pretrained(EMBED)
     expected, want, *_ = goldens()
     prompts = [np.array(x) for x in expected["input_ids"]]
-    np.testing.assert_allclose(_forward(ModernBertRunner(spec), prompts), want, atol=1e-5, rtol=0)
+    got = runner_embeddings(ModernBertRunner(spec), prompts)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     for change in (
         {"local_attention": 1024},  # every layer sees every token
         {"global_attn_every_n_layers": 2},  # layer 2 global
         {"local_rope_theta": 160000.0},
         {"rope_theta": 10000.0},
     ):
-        other = _forward(ModernBertRunner(msgspec.structs.replace(spec, **change)), prompts)
+        runner = ModernBertRunner(msgspec.structs.replace(spec, **change))
+        other = runner_embeddings(runner, prompts)
         assert np.abs(other - want).max() > 1e-3, change
 
 
@@ -201,14 +188,14 @@ def test_query_blocks_and_batches_do_not_change_a_prompts_bits(monkeypatch) -> N
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 425, n).astype(np.int32) for n in (1, 5, 17, 300, 512, 40)]
     runner = modernbert.ModernBertRunner(spec)
-    together = _forward(runner, prompts)
+    together = runner_embeddings(runner, prompts)
     for i, p in enumerate(prompts):
-        np.testing.assert_array_equal(_forward(runner, [p])[0], together[i])
+        np.testing.assert_array_equal(runner_embeddings(runner, [p])[0], together[i])
     assert np.isfinite(together).all()
     monkeypatch.setattr(modernbert, "_QUERY_BLOCK", 4096)  # one block per prompt
-    np.testing.assert_allclose(_forward(runner, prompts), together, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(runner_embeddings(runner, prompts), together, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        _forward(runner, [np.zeros(513, np.int32)])
+        runner_embeddings(runner, [np.zeros(513, np.int32)])
 
 
 def test_hub_style_configs_read_as_transformers_5_saves_them(tmp_path: Path) -> None:
