@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from aioprefill.errors import InvalidConfig
-from aioprefill.hf.config_keys import COMMON
 from aioprefill.hf.modernbert import (
     MODERNBERT,
     modernbert_fields,
     modernbert_shapes,
     num_labels,
     refuse,
+    refuse_unknown,
 )
 from aioprefill.hf.spec import ModelShape
 
@@ -138,10 +138,7 @@ def encoder_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
         labels = num_labels(c)
         fields["num_labels"] = labels
         used |= {"id2label", "label2id", "num_labels"}
-    inert = COMMON | _INERT
-    for key in config:
-        if key not in used and key not in inert:
-            raise refuse(key, f"not implemented for {arch} (it may change the forward)")
+    refuse_unknown(config, used | _INERT, arch)
     return fields
 
 

@@ -26,7 +26,14 @@ from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config_keys import COMMON
 from aioprefill.hf.spec import ModelShape
 
-__all__ = ["MODERNBERT", "modernbert_fields", "modernbert_shapes", "num_labels", "refuse"]
+__all__ = [
+    "MODERNBERT",
+    "modernbert_fields",
+    "modernbert_shapes",
+    "num_labels",
+    "refuse",
+    "refuse_unknown",
+]
 
 # HF class -> (model_type, base-model prefix of its tensor names, classifier head kind or "").
 MODERNBERT: dict[str, tuple[str, str, str]] = {
@@ -97,6 +104,14 @@ def refuse(key: str, why: str) -> InvalidConfig:
     return InvalidConfig(f"config.json: {key}: {why}")
 
 
+def refuse_unknown(config: dict[str, Any], known: set[str] | frozenset[str], arch: str) -> None:
+    """Raise `refuse` for the first key of `config` that is neither `known` (read or inert for
+    this architecture) nor common to every config.json (`hf.config_keys.COMMON`)."""
+    for key in config:
+        if key not in known and key not in COMMON:
+            raise refuse(key, f"not implemented for {arch} (it may change the forward)")
+
+
 def modernbert_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
     """`PaddleModel` keyword arguments for a ModernBERT `config.json` (`arch` one of
     `MODERNBERT`), or `InvalidConfig` naming the first key whose setting is not implemented."""
@@ -143,10 +158,7 @@ def modernbert_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
             raise refuse("classifier_pooling", f"{pooling!r} is not 'cls' or 'mean'")
         fields["classifier_pooling"] = pooling
         used |= {"id2label", "label2id", "num_labels"}
-    inert = COMMON | _INERT
-    for key in config:
-        if key not in used and key not in inert:
-            raise refuse(key, f"not implemented for {arch} (it may change the forward)")
+    refuse_unknown(config, used | _INERT, arch)
     return fields
 
 
