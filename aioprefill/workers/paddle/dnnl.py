@@ -37,6 +37,7 @@ __all__ = [
     "eltwise_primitive",
     "memory_desc",
     "post_op_arg",
+    "primitive_desc",
     "reorder_primitive",
 ]
 
@@ -190,12 +191,17 @@ class Primitive:
     on its shapes, not on the memory it is pointed at, so one made for a shape serves every
     array of that shape (callers keep them in an LRU)."""
 
-    def __init__(self, pd: P, args: Sequence[tuple[int, MemoryDesc]]) -> None:
+    def __init__(
+        self, pd: P, args: Sequence[tuple[int, MemoryDesc]], keep: Sequence[object] = ()
+    ) -> None:
+        """`keep`: objects the descriptor refers to that must live as long as the primitive
+        (its `PostOps`, a descriptor that is no argument)."""
         d = _need()
         lib = self._lib = d.lib
         self._stream = d.stream
         self._pd, self._prim = pd, P()
         self._descs = [md for _, md in args]  # the memory objects refer to them
+        self._keep = list(keep)
         check(lib.dnnl_primitive_create(ctypes.byref(self._prim), pd), "primitive_create")
         self._mems = []
         for _, md in args:
@@ -224,8 +230,9 @@ class Primitive:
             lib.dnnl_primitive_desc_destroy(self._pd)
 
 
-def _pd(create: str, argtypes: list, *args: object) -> P:
-    """A primitive descriptor from oneDNN's `create` function, raising `DnnlError`."""
+def primitive_desc(create: str, argtypes: list, *args: object) -> P:
+    """A primitive descriptor from oneDNN's `create` function (`dnnl_*_primitive_desc_create`:
+    `argtypes` and `args` after its first, the descriptor's address), raising `DnnlError`."""
     d = _need()
     fn = getattr(d.lib, create)
     fn.argtypes = [P, *argtypes]
@@ -239,7 +246,7 @@ def reorder_primitive(src: MemoryDesc, dst: MemoryDesc) -> Primitive:
     address). f32 to bf16 rounds to nearest even (vcvtneps2bf16 where the CPU has it)."""
     e = _need().engine
     args = (src.handle, e, dst.handle, e, None)
-    pd = _pd("dnnl_reorder_primitive_desc_create", [P, P, P, P, P], *args)
+    pd = primitive_desc("dnnl_reorder_primitive_desc_create", [P, P, P, P, P], *args)
     return Primitive(pd, [(ARG_SRC, src), (ARG_DST, dst)])
 
 
@@ -250,7 +257,7 @@ def eltwise_primitive(
     oneDNN 3.6 JIT-compiles it only for dense memory with src and dst of one data type and no
     post-ops (checked with ONEDNN_VERBOSE=all: the rest runs its reference loops)."""
     f, i = ctypes.c_float, ctypes.c_int
-    pd = _pd(
+    pd = primitive_desc(
         "dnnl_eltwise_forward_primitive_desc_create", [P, i, i, P, P, f, f, P],
         _need().engine, FORWARD_INFERENCE, alg, src.handle, dst.handle, alpha, beta, None,
     )  # fmt: skip
@@ -261,5 +268,5 @@ def binary_primitive(alg: int, src0: MemoryDesc, src1: MemoryDesc, dst: MemoryDe
     """dst = src0 (op) src1 (called with src0's, src1's, dst's addresses). JIT-compiled for
     float32 in and out (a bf16 dst ran oneDNN 3.6's reference loops on an AMD Zen 4)."""
     args = (_need().engine, alg, src0.handle, src1.handle, dst.handle, None)
-    pd = _pd("dnnl_binary_primitive_desc_create", [P, ctypes.c_int, P, P, P, P], *args)
+    pd = primitive_desc("dnnl_binary_primitive_desc_create", [P, ctypes.c_int, P, P, P, P], *args)
     return Primitive(pd, [(ARG_SRC, src0), (ARG_SRC_1, src1), (ARG_DST, dst)])

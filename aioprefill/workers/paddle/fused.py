@@ -37,10 +37,10 @@ from aioprefill.workers.paddle.dnnl import (
     P,
     PostOps,
     Primitive,
-    check,
     dnnl,
     memory_desc,
     post_op_arg,
+    primitive_desc,
 )
 from aioprefill.workers.paddle.gemm import Products
 from aioprefill.workers.paddle.softmax import softmax_rows_
@@ -67,8 +67,6 @@ def _epilogue(rows: int, n: int, post: str) -> Primitive:
     eltwise post-op), src and dst one memory."""
     d = dnnl()
     assert d is not None
-    lib = d.lib
-    lib.dnnl_binary_primitive_desc_create.argtypes = [P, P, ctypes.c_int, P, P, P, P]
     md, row = memory_desc([rows, n], F32), memory_desc([1, n], F32)
     ops = PostOps()
     if post == "add":
@@ -80,17 +78,11 @@ def _epilogue(rows: int, n: int, post: str) -> Primitive:
         if post == "gelu":
             ops.eltwise(GELU_ERF)
         second = row
-    pd = P()
-    check(
-        lib.dnnl_binary_primitive_desc_create(
-            ctypes.byref(pd), d.engine, BINARY_ADD, md.handle, second.handle, md.handle,
-            ops.attr,
-        ),
-        "binary_primitive_desc_create",
+    pd = primitive_desc(
+        "dnnl_binary_primitive_desc_create", [P, ctypes.c_int, P, P, P, P],
+        d.engine, BINARY_ADD, md.handle, second.handle, md.handle, ops.attr,
     )  # fmt: skip
-    prim = Primitive(pd, args)
-    prim.keep = ops  # type: ignore[attr-defined]  # the attribute lives as long as the primitive
-    return prim
+    return Primitive(pd, args, keep=[ops])
 
 
 def bias_(
@@ -112,23 +104,16 @@ def bias_(
 def _layer_norm(rows: int, cols: int, eps: float) -> Primitive:
     d = dnnl()
     assert d is not None
-    lib = d.lib
-    lib.dnnl_layer_normalization_forward_primitive_desc_create.argtypes = [
-        *(P, P, ctypes.c_int, P, P, P, ctypes.c_float, ctypes.c_uint, P)
-    ]
     md, stat = memory_desc([rows, cols], F32), memory_desc([rows], F32)
     param = memory_desc([cols], F32)
-    pd = P()
-    check(
-        lib.dnnl_layer_normalization_forward_primitive_desc_create(
-            ctypes.byref(pd), d.engine, FORWARD_INFERENCE, md.handle, md.handle, stat.handle,
-            eps, _USE_SCALE | _USE_SHIFT, None,
-        ),
-        "layer_normalization_forward_primitive_desc_create",
+    pd = primitive_desc(
+        "dnnl_layer_normalization_forward_primitive_desc_create",
+        [P, ctypes.c_int, P, P, P, ctypes.c_float, ctypes.c_uint, P],
+        d.engine, FORWARD_INFERENCE, md.handle, md.handle, stat.handle,
+        eps, _USE_SCALE | _USE_SHIFT, None,
     )  # fmt: skip
-    prim = Primitive(pd, [(ARG_SRC, md), (ARG_DST, md), (_ARG_SCALE, param), (_ARG_SHIFT, param)])
-    prim.keep = stat  # type: ignore[attr-defined]
-    return prim
+    args = [(ARG_SRC, md), (ARG_DST, md), (_ARG_SCALE, param), (_ARG_SHIFT, param)]
+    return Primitive(pd, args, keep=[stat])
 
 
 def layer_norm_(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:

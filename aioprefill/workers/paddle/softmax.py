@@ -33,9 +33,9 @@ from aioprefill.workers.paddle.dnnl import (
     SOFTMAX_ACCURATE,
     P,
     Primitive,
-    check,
     dnnl,
     memory_desc,
+    primitive_desc,
 )
 
 __all__ = ["onednn_softmax_available", "softmax_rows_"]
@@ -55,16 +55,10 @@ def _primitive(rows: int, cols: int) -> Primitive:
     d = dnnl()
     assert d is not None
     md = memory_desc([rows, cols], F32)
-    pd = P()
-    d.lib.dnnl_softmax_forward_primitive_desc_create.argtypes = [
-        *(P, P, ctypes.c_int, ctypes.c_int, P, P, ctypes.c_int, P)
-    ]
-    check(
-        d.lib.dnnl_softmax_forward_primitive_desc_create(
-            ctypes.byref(pd), d.engine, FORWARD_INFERENCE, SOFTMAX_ACCURATE,
-            md.handle, md.handle, 1, None,
-        ),
-        "softmax_forward_primitive_desc_create",
+    i = ctypes.c_int
+    pd = primitive_desc(
+        "dnnl_softmax_forward_primitive_desc_create", [P, i, i, P, P, i, P],
+        d.engine, FORWARD_INFERENCE, SOFTMAX_ACCURATE, md.handle, md.handle, 1, None,
     )  # fmt: skip
     return Primitive(pd, [(ARG_SRC, md), (ARG_DST, md)])
 
