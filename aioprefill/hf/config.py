@@ -21,6 +21,7 @@ from typing import Any
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config_keys import COMMON, UNREAD
 from aioprefill.hf.encoder import ENCODERS, encoder_fields
+from aioprefill.hf.spec import SHAPE_KEYS
 
 __all__ = ["spec_fields"]
 
@@ -66,11 +67,7 @@ _MOE_TRAINING = frozenset(["router_jitter_noise", "router_aux_loss_coef", "outpu
 _FIXED = {"hidden_act": "silu", "mlp_bias": False, "partial_rotary_factor": 1.0, "pruned_heads": {}}
 # PaddleModel field <- the config.json key it copies.
 _COPIED = {
-    "num_layers": "num_hidden_layers",
-    "hidden_size": "hidden_size",
-    "num_heads": "num_attention_heads",
-    "intermediate_size": "intermediate_size",
-    "vocab_size": "vocab_size",
+    **SHAPE_KEYS,
     "max_position_embeddings": "max_position_embeddings",
     "rms_norm_eps": "rms_norm_eps",
     "tie_word_embeddings": "tie_word_embeddings",

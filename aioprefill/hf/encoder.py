@@ -28,7 +28,7 @@ from aioprefill.hf.modernbert import (
     refuse,
     refuse_unknown,
 )
-from aioprefill.hf.spec import ModelShape
+from aioprefill.hf.spec import SHAPE_KEYS, ModelShape
 
 __all__ = [
     "ENCODERS",
@@ -69,11 +69,7 @@ _DEFAULTS: dict[str, Any] = {
     "pad_token_id": 0,
 }
 _COPIED = {
-    "num_layers": "num_hidden_layers",
-    "hidden_size": "hidden_size",
-    "num_heads": "num_attention_heads",
-    "intermediate_size": "intermediate_size",
-    "vocab_size": "vocab_size",
+    **SHAPE_KEYS,
     "max_position_embeddings": "max_position_embeddings",
     "layer_norm_eps": "layer_norm_eps",
     "type_vocab_size": "type_vocab_size",

@@ -24,7 +24,7 @@ from typing import Any
 
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.config_keys import COMMON
-from aioprefill.hf.spec import ModelShape
+from aioprefill.hf.spec import SHAPE_KEYS, ModelShape
 
 __all__ = [
     "MODERNBERT",
@@ -55,13 +55,7 @@ _DEFAULTS: dict[str, Any] = {
     "local_rope_theta": 10000.0,
     "classifier_pooling": "cls",
 }
-_COPIED = {
-    "num_layers": "num_hidden_layers",
-    "hidden_size": "hidden_size",
-    "num_heads": "num_attention_heads",
-    "intermediate_size": "intermediate_size",
-    "vocab_size": "vocab_size",
-}
+_COPIED = SHAPE_KEYS  # ModernBERT copies no more
 _NO_BIAS = ("attention_bias", "mlp_bias", "norm_bias", "classifier_bias")
 _GELU = ("gelu", "gelu_python")
 _LAYER_TYPES = ("full_attention", "sliding_attention")

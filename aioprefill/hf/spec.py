@@ -1,4 +1,5 @@
-"""`ModelShape`: what the checkpoint readers read of a model spec, as a protocol.
+"""`ModelShape`: what the checkpoint readers read of a model spec, as a protocol; `SHAPE_KEYS`,
+the config.json keys every reader copies into it.
 
 `aioprefill.models.PaddleModel` satisfies it; `hf` sits below the specs and never imports them
 (the spec class itself is passed in where one is built: `spec_from_pretrained(cls, ...)`).
@@ -7,6 +8,16 @@
 from __future__ import annotations
 
 from typing import ClassVar, Protocol
+
+# PaddleModel field <- the config.json key it copies, in every family (decoders, BERT/XLM-R,
+# ModernBERT); each reader adds its own.
+SHAPE_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_heads": "num_attention_heads",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+}
 
 
 class ModelShape(Protocol):
