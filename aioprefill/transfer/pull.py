@@ -21,7 +21,7 @@ import numpy as np
 
 from aioprefill.errors import InvalidRequest, KVExportClosed, TransferError
 from aioprefill.transfer.idtable import ENTRY_BYTES
-from aioprefill.transfer.local import Scratch, local_engine
+from aioprefill.transfer.local import LocalEngine, Scratch, local_engine, renew_local_engine
 from aioprefill.transfer.params import TransferParams, parse_params
 
 __all__ = ["SLICE_BYTES", "PulledKV", "pull_kv", "release_kv", "sliced"]
@@ -34,6 +34,12 @@ _ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE
 SLICE_BYTES = 4 << 20
 
 AFTER_REFUSAL = 6  # entry reads tried after a refused read (backing off 20 ms x 3^k)
+
+
+class _Refused(TransferError):
+    """The peer refused or could not be reached (not a timeout): worth one fresh engine when
+    it answered this one before (`transfer.local`: a restarted peer on the same port)."""
+
 
 Into = tuple[np.ndarray, np.ndarray] | Sequence[tuple[np.ndarray, np.ndarray]]
 _Reads = list[tuple[int, int, int]]  # (local address, remote address, bytes)
@@ -123,7 +129,7 @@ def _check_entry(worker: Scratch, p: TransferParams, *, tries: int = 1) -> None:
         if te.transfer_sync_read(p.session, worker.scratch_ptr, p.id_addr, ENTRY_BYTES) == 0:
             break
         if attempt + 1 == tries:
-            raise TransferError(f"the prefill engine at {p.session} is unreachable or refused")
+            raise _Refused(f"the prefill engine at {p.session} is unreachable or refused")
         time.sleep(0.02 * 3**attempt)
     export_id, addr, nbytes, _ = worker.scratch[:ENTRY_BYTES].view("<u8").tolist()
     if export_id != p.id_value:
@@ -149,17 +155,38 @@ def _pull(worker: Scratch, p: TransferParams, reads: _Reads) -> None:
             te.unregister_memory(at)
     _check_entry(worker, p, tries=1 if rc == 0 else AFTER_REFUSAL)  # the seqlock's check
     if rc != 0:
-        raise TransferError(f"the prefill engine at {p.session} refused the read ({rc})")
+        raise _Refused(f"the prefill engine at {p.session} refused the read ({rc})")
 
 
 def _run(p: TransferParams, job: Any, timeout_s: float | None) -> Any:
-    if timeout_s is None:
-        return local_engine(p.protocol).run_inline(job)
-    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and timeout_s > 0)
+    ):
         raise InvalidRequest(f"timeout_s must be None or a number > 0, got {timeout_s!r}")
-    future = local_engine(p.protocol).submit(job)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    local = local_engine(p.protocol)
     try:
-        return future.result(timeout_s)
+        out = _run_on(local, p, job, deadline, timeout_s)
+    except _Refused:
+        if p.session not in local.reached:
+            raise
+        # It answered this engine before: maybe a new prefill engine on the same host:port,
+        # which Mooncake's kept descriptor (the old data port) cannot reach. A fresh engine
+        # looks it up again; a peer that is really gone refuses that one at once.
+        local = renew_local_engine(local)
+        out = _run_on(local, p, job, deadline, timeout_s)
+    local.reached.add(p.session)
+    return out
+
+
+def _run_on(
+    local: LocalEngine, p: TransferParams, job: Any, deadline: float | None, timeout_s: float | None
+) -> Any:
+    if deadline is None:
+        return local.run_inline(job)
+    future = local.submit(job)
+    try:
+        return future.result(max(deadline - time.monotonic(), 0.0))
     except FutureTimeout:
         raise TransferError(
             f"no answer from the prefill engine at {p.session} within {timeout_s} s"
@@ -189,7 +216,7 @@ def _release(worker: Scratch, p: TransferParams) -> bool:
     worker.scratch[:8].view("<u8")[0] = p.id_value
     released_at = p.id_addr + 24
     if worker.local.engine.transfer_sync_write(p.session, worker.scratch_ptr, released_at, 8):
-        raise TransferError(f"the prefill engine at {p.session} refused the release")
+        raise _Refused(f"the prefill engine at {p.session} refused the release")
     return True
 
 
