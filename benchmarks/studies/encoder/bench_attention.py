@@ -28,7 +28,8 @@ batches of at most 8,192 rows, six times (MiniLM's layers):
 The process is set up as a worker is (`paddle.env`: MKL's kernels, malloc keeping freed
 memory). Each variant runs once to warm up, then the variants alternate for `--rounds` rounds;
 printed: CPU seconds of the six layers (thread time, 1 thread: min and median over the rounds), the
-largest difference of each variant's context from `onednn`'s and whether it is bitwise equal,
+largest difference of each variant's context from `onednn`'s and whether it is bitwise equal
+(and whether `mkl_batch`'s equals `mkl`'s: MKL's batch call gives each product its lone bits),
 and the floor: the products' FLOPs at the core's float32 sgemm rate (measured here on an
 [8192, 384] x [384, 1536] product). Then, per prompt length (8 to 256 tokens, one layer), the
 time of `onednn` and of `matmul_rt`, and oneDNN's softmax alone in ns a score.
@@ -436,6 +437,10 @@ def main() -> None:
         else:
             agree = "(not compared: its own random qkv)"
         say(f"{name:12s} {min(ts):6.2f} {med:6.2f}         x{med / base:4.2f}         {agree}")
+    same = all(
+        np.array_equal(a, b) for a, b in zip(outputs["mkl_batch"], outputs["mkl"], strict=True)
+    )
+    say(f"mkl_batch's context bitwise mkl's (each gemm the same alone and in a batch call): {same}")
     say("rounds: " + "; ".join(f"{k} " + " ".join(f"{x:.2f}" for x in v) for k, v in times.items()))
     say(
         "per prompt length, one layer (min of 5 rounds): us of `onednn` and `matmul_rt`, and of "
