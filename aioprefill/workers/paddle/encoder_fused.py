@@ -11,6 +11,10 @@ NumPy), then the same LayerNorm.
 Measured (all-MiniLM-L6-v2, 300 sentences of 8-256 tokens, batches of <= 8,192 tokens, 1
 thread, in-process, measurement lock): 9.5-9.9 CPU-s against 10.8-11.6 for the Paddle path it
 replaces (1.14-1.18x); the products (at the core's float32 peak) are ~82% of the forward now.
+Split by part (benchmarks/studies/encoder/profile_forward.py: 300 prompts of 8-256 random ids,
+lock, load 0.2-1.8: benchmarks/results/encoder/profile_forward.txt): 9.9-10.5 CPU-s, the
+products 8.1-8.3, attention 1.3-1.7 (its products' floor 0.62-0.66: what else was tried,
+`fused`), the epilogues 0.36-0.45, LayerNorm 0.06-0.08.
 
 Buffers are kept between forwards (grow-only, a power of two of rows: no page faults on each
 batch's ~120 MB, nor on each slightly larger batch). Rows are

@@ -15,6 +15,22 @@ prompt a layer were also tried as two batched matmul primitives (all heads at on
 in place through strides): 0.95x the time on MiniLM's lengths, but a primitive per prompt length
 (JIT kernels, ~340 KB each: +175 MiB a worker for lengths 1-256), so attention stays on sgemm.
 
+Nothing else on this machine computes it much cheaper (benchmarks/studies/encoder/
+bench_attention.py, four runs under the measurement lock at load 1.0-3.1:
+benchmarks/results/encoder/attention.txt; 300 prompts of 8-256 tokens x 6 layers, 1 thread).
+This path: medians 1.34-1.56 CPU-s, against 0.62-0.66 for its products at the sgemm's rate;
+the softmax alone costs 0.44-0.65 ns a score at 256 tokens, 0.73-1.07 at 64, 2.6-2.7 at 16.
+Against it: MKL's `cblas_sgemm` per head (its AVX2 kernels, `MKL_DEBUG_CPU_TYPE=5` as a worker
+sets it) 0.90-1.00x the time (within float32 rounding, 1.2e-6; at most ~1% of a forward, so
+not taken); MKL's group API `cblas_sgemm_batch` with every head of every prompt of a batch in
+one call (one softmax a prompt between the two calls; each product's bits the same as alone)
+1.09-1.23x: a batch's scores, tens of MB, are all written before the first softmax reads them;
+one matmul primitive per product batched over the heads with runtime M, N, K (one primitive for
+every length; bitwise these sgemm calls) 0.94-1.00x: 1.8-3.4x faster on prompts of 8-32 tokens
+(26-57 against 72-131 us a layer), no faster from 192 tokens; each head's scores, softmax and
+product in turn (one head's scores in cache at a time) 0.99-1.08x; torch's fused CPU
+`scaled_dot_product_attention` on the same strided views 1.05-1.20x.
+
 Batch invariance: the epilogues and LayerNorm act on each element or row alone; attention sees
 one prompt, its softmax primitive depends on that prompt's length only. The enum values are oneDNN
 3.x's (`dnnl_types.h`), checked against NumPy (max |d| within float32 rounding of the products).
