@@ -22,6 +22,7 @@ from aioprefill.wire import protocol
 from aioprefill.workers.paddle import gemm, onednn
 from aioprefill.workers.paddle.attention import _copy_kv
 from aioprefill.workers.paddle.head import host
+from aioprefill.workers.paddle.last_rows import last_rows_only
 from aioprefill.workers.paddle.ops import round_bf16_
 from aioprefill.workers.paddle.runner import PaddleRunner
 from aioprefill.workers.prefix_blocks import BlockStore, bf16_bits
@@ -197,6 +198,34 @@ def test_chunks_equal_the_whole_prompt_bitwise(deterministic: bool) -> None:
         plps.append(out.prompt_logprobs)
     assert np.array_equal(np.concatenate(plps), whole.prompt_logprobs)
     assert out.tokens[0] == whole.tokens[0] and out.logprobs[0] == whole.logprobs[0]
+
+
+@needs_bf16
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_a_next_token_batch_runs_its_last_layer_on_the_last_rows_bitwise(
+    deterministic: bool,
+) -> None:
+    """A batch that needs only each prompt's last row after the last layer (next token, top-k,
+    labels, the last row's embedding) runs that layer's attention, o projection and MLP on
+    those rows alone: bitwise what the same prompts get beside a request whose prompt logprobs
+    keep the layer whole (rows are batch-invariant in bf16, both modes)."""
+    r = runner("bfloat16", deterministic)
+    ps = prompts(np.random.default_rng(8), [5, 40, 100, 17, 64, 1], 512)
+    n = len(ps)
+    last_only = with_options(make_batch(ps), [protocol.OPT_EMBED_LAST] * n, [3] * n, labels=[7, 2])
+    assert last_rows_only(last_only, None, r._mm, bf16=True)
+    extra = prompts(np.random.default_rng(9), [30], 512)
+    whole = with_options(
+        make_batch([*ps, *extra]), [protocol.OPT_EMBED_LAST] * n + [PLP_TOP], [3] * (n + 1),
+        labels=[7, 2],
+    )  # fmt: skip
+    assert not last_rows_only(whole, None, r._mm, bf16=True)
+    got, want = r.forward(last_only), r.forward(whole)
+    for name in ("tokens", "logprobs", "top_k_ids", "top_k_logprobs", "label_logprobs"):
+        a, b = getattr(got, name), getattr(want, name)
+        k = len(a) // n
+        assert np.array_equal(a, b[: k * n]), name
+    assert np.array_equal(got.embeddings, want.embeddings[:n])
 
 
 def test_cpu_dtype_policy(monkeypatch) -> None:

@@ -20,7 +20,9 @@ import pytest
 from aioprefill.shm.segments import SHM_DIR, attach_segment, segment_name
 from aioprefill.wire import protocol
 from aioprefill.wire.kv import kv_layout
+from aioprefill.workers.paddle.last_rows import last_rows_only
 from aioprefill.workers.paddle.runner import PaddleRunner
+from aioprefill.workers.prefix_blocks import BatchPlan
 from aioprefill.workers.runner import ForwardOutput
 from tests.model.batches import make_batch, small
 from tests.model.prefix import (
@@ -396,3 +398,24 @@ def test_readers_of_the_same_slots_in_one_batch(mode: str) -> None:
             assert logprob == want.logprobs[0]
         else:
             assert abs(logprob - want.logprobs[0]) <= (HIT_TOL if mode == "bf16" else 1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_next_token_hit_runs_its_last_layer_on_the_last_row(mode: str) -> None:
+    """A hit asking only for what the last row gives (next token, top-k, labels, the last row's
+    embedding) writes no block, so a bf16 model runs its last layer on that row alone
+    (`paddle.last_rows`): bitwise the same hit run with the layer whole (mean pooling asked),
+    and the whole prompt's answer as any hit is (bitwise in the deterministic modes)."""
+    r = runner(mode)
+    p = prompt(90, seed=11)
+    opts = protocol.OPT_EMBED_LAST
+    run(r, [(p, 0)], opts, [([], [60, 61, 62], 0)])  # writes its blocks: the layer whole
+    plan = [([60, 61, 62], [], 0)]
+    batch = planned(make_batch([p[3 * B :]], starts=[3 * B]), *map(list, zip(*plan, strict=True)))
+    # the bf16 modes (and float32 on oneDNN: `attention.tiles_attention`)
+    assert last_rows_only(batch, BatchPlan.of(batch), r._mm, r._bf16) or not r._bf16
+    got = run(r, [(p[3 * B :], 3 * B)], opts, plan)
+    full = run(r, [(p[3 * B :], 3 * B)], opts | protocol.OPT_EMBED_MEAN, plan)
+    for name in ("tokens", "logprobs", "top_k_ids", "top_k_logprobs", "label_logprobs"):
+        assert np.array_equal(getattr(got, name), getattr(full, name)), name
+    same(got, whole(r, p, opts), mode, "a next-token hit", hit=True)

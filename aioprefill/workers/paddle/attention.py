@@ -24,7 +24,7 @@ from aioprefill.workers.paddle.onednn import check, load_sgemm
 from aioprefill.workers.paddle.ops import causal_softmax_, causal_softmax_rows_
 from aioprefill.workers.prefix_blocks import bf16_bits
 
-__all__ = ["KVCache", "attend", "attend_rows", "export_layer"]
+__all__ = ["KVCache", "attend", "attend_rows", "export_layer", "tiles_attention"]
 
 _LEAST_M = 16  # attention's sgemm rows are bitwise from this many (AMD Zen 4, 1-2 threads)
 
@@ -100,6 +100,7 @@ def attend_rows(
     tile: int,
     mm: Products,
     bf16: bool,
+    last_only: bool = False,
 ) -> paddle.Tensor:
     """Every sequence's `attend` (sequence i on rows `bounds[i]`, keeping its K/V where `keep[i]`;
     `before(i, cache)` runs first: prefix slots, exports), as the o projection's input
@@ -107,11 +108,15 @@ def attend_rows(
     (a bf16 model, or `AIOPREFILL_CPU_GEMM=onednn`) each query tile runs on NumPy scratch and
     raw addresses (`_Tiles`), writing its rows into the output in place: the same products and
     softmax as `_aligned` (bitwise), without its ~10 Paddle ops per tile and the concat and
-    transpose after (0.6 of 3.0 s of attention in a SmolLM2 bf16 forward, 1 thread)."""
+    transpose after (0.6 of 3.0 s of attention in a SmolLM2 bf16 forward, 1 thread).
+
+    `last_only` (`tiles_attention`): output row i is sequence i's last position alone (its keys
+    and values all kept and exported as before), the rest zero (`paddle.last_rows`)."""
     kv_heads, group, _, dim = q.shape
     heads, total = kv_heads * group, bounds[-1][1]
-    cpu = q.place.is_cpu_place()
-    sgemm = load_sgemm() if cpu and (bf16 or mm.uses_onednn) else None
+    sgemm = load_sgemm() if tiles_attention(q.place.is_cpu_place(), mm, bf16) else None
+    if last_only and sgemm is None:
+        raise ValueError("last_only attention needs oneDNN's sgemm (tiles_attention)")
     if sgemm is None:
         outs = []
         for i, ((a, b), cache) in enumerate(zip(bounds, caches, strict=True)):
@@ -127,11 +132,22 @@ def attend_rows(
     # deterministic mode (fixed product tiles) keeps every tile's shape fixed too
     least = None if mm.tile_rows is not None else _least_rows(group, tile)
     tiles = _Tiles(sgemm, kv_heads, group, tile, dim, least)
+    if last_only:
+        o[len(bounds) :] = 0
     for i, ((a, b), cache) in enumerate(zip(bounds, caches, strict=True)):
         before(i, cache)
         keys, values = _sequence_kv(k, v, a, b, cache, layer, keep[i])
-        tiles(qn[:, :, a:b], keys, values, o[a:b])
+        if last_only:
+            tiles(qn[:, :, b - 1 : b], keys, values, o[i : i + 1])
+        else:
+            tiles(qn[:, :, a:b], keys, values, o[a:b])
     return out
+
+
+def tiles_attention(cpu: bool, mm: Products, bf16: bool) -> bool:
+    """Whether `attend_rows` runs on `_Tiles`: on a CPU with oneDNN's sgemm, for a bf16 model
+    or products on oneDNN."""
+    return cpu and (bf16 or mm.uses_onednn) and load_sgemm() is not None
 
 
 class _Tiles:

@@ -75,6 +75,7 @@ class OutputHead:
         shard: Shard | None = None,
         product: Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor] | None = None,
         pad_last: bool = False,
+        product_last: Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor] | None = None,
     ) -> None:
         """`rms_norm`: the final norm's kernel (`paddle.norm.rms_norm_for`). `shard`: under
         tensor parallelism `lm_head` is this rank's vocabulary slice, and each tile's per-row
@@ -82,12 +83,14 @@ class OutputHead:
         (`paddle.gemm.Products.product`; default Paddle's matmul). Prompt log-probabilities run
         on tiles of at least `min_rows` rows (zero rows added; `paddle.rows`), and with
         `pad_last` (a bfloat16 CPU worker, whose rows are otherwise bitwise batch-invariant)
-        the last rows too."""
+        the last rows too; `product_last` (default `product`) multiplies those last rows
+        (`paddle.gemm.Products.product_few`)."""
         self._lm_head = lm_head
         self._pad_last = pad_last
         self._shard = shard if shard is not None and shard.tp_size > 1 else None
         self._norm, self._eps, self._rms_norm = norm, eps, rms_norm
         self._product = product or _matmul_t
+        self._product_last = product_last or self._product
         self._tile, self._min_rows = tile_rows, min_rows  # tile_rows: fixed tiles (deterministic)
         self._carry: dict[int, paddle.Tensor] = {}  # rid -> last row's hidden state [1, hidden]
         self._sums: dict[int, np.ndarray] = {}  # rid -> float64 sum of final-norm rows so far
@@ -308,7 +311,8 @@ class OutputHead:
             t = None if targets is None else targets[lo : lo + tile]
             t = t if labels is None else labels[lo : lo + tile]
             v0 = 0 if self._shard is None else self._shard.vocab_start
-            got = head_rows(hn, self._lm_head, self._product, kmax, t, v0=v0)
+            product = self._product if targets is not None else self._product_last
+            got = head_rows(hn, self._lm_head, product, kmax, t, v0=v0)
             # parallel: this rank's vocabulary slice, joined with the other ranks'
             parts.append(got if self._shard is None else self._shard.head_rows(got))
             if targets is None:

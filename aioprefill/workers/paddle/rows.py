@@ -47,6 +47,7 @@ _FLOORS = (16, 32, 64)  # the row counts a product is padded to, smallest that h
 _BIG = 1050  # rows of the reference product ...
 _SIZES = (16, 20, 24, 32, 40, 48, 56, 64, 100, 128, 280)  # ... whose last rows these compare
 _HEAD_SIZES = (16, 32, 64, 128, 256, 512)  # the head's prompt-logprob tiles: 16..HEAD_ROWS rows
+_LAST_SIZES = (16, 17, 20, 24, 32, 40, 48, 56, 64, 100, 128)  # its last rows: a batch's requests
 
 log = logging.getLogger("aioprefill.worker")
 
@@ -68,6 +69,8 @@ def row_floor(
             checks.append((name, product, w, mm.in_features(w), _SIZES, _BIG))
     head = lm_head[:VOCAB_CHUNK] if lm_head.place.is_cpu_place() else lm_head  # as head_rows
     checks.append(("head", mm.product, head, lm_head.shape[1], _HEAD_SIZES, HEAD_ROWS))
+    if mm.uses_onednn and lm_head.dtype == paddle.float32:  # the last rows' (`product_few`)
+        checks.append(("head_last", mm.product_few, head, lm_head.shape[1], _LAST_SIZES, 256))
     rng = np.random.default_rng(0)
     moved: dict[str, list[int]] = {}
     for name, product, w, k, counts, big in checks:
@@ -92,12 +95,18 @@ def _host(t: paddle.Tensor) -> np.ndarray:
 
 
 def checked_products(
-    device: str, threads: int, layer: Layer, lm_head: paddle.Tensor, *, in_out: bool
+    device: str,
+    threads: int,
+    layer: Layer,
+    lm_head: paddle.Tensor,
+    *,
+    in_out: bool,
+    gemm: str | None = None,
 ) -> tuple[Products, int]:
-    """The default mode's untiled `Products` (for linear weights laid out as `in_out` says) and
-    the fewest rows a product gets (`row_floor`; 64 where rows moved at 64 or more, with a
-    warning that hits may then differ by rounding)."""
-    mm = Products(device, threads, None, in_out=in_out)
+    """The default mode's untiled `Products` (for linear weights laid out as `in_out` says; on
+    `gemm`, default `paddle.env.cpu_gemm()`) and the fewest rows a product gets (`row_floor`;
+    64 where rows moved at 64 or more, with a warning that hits may then differ by rounding)."""
+    mm = Products(device, threads, None, gemm, in_out=in_out)
     floor, moved = row_floor(mm, layer, lm_head)
     if floor is not None:
         return mm, floor

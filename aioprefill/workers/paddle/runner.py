@@ -39,6 +39,7 @@ import itertools
 import warnings
 
 from aioprefill.workers.paddle.env import (
+    bf16_float32_gemm,
     configure_math_libraries,
     keep_freed_memory,
     quiet_native_logs,
@@ -61,8 +62,10 @@ from aioprefill.wire.kv import kv_layout  # noqa: E402
 from aioprefill.workers.collectives import PaddleGroup  # noqa: E402
 from aioprefill.workers.kv_writer import KVWriters, open_writers  # noqa: E402
 from aioprefill.workers.paddle.attention import KVCache, attend_rows, export_layer  # noqa: E402
+from aioprefill.workers.paddle.checks import check_batch  # noqa: E402
 from aioprefill.workers.paddle.gemm import Products, weights_in_out  # noqa: E402
 from aioprefill.workers.paddle.head import OutputHead  # noqa: E402
+from aioprefill.workers.paddle.last_rows import last_rows_only, put_rows, take_rows  # noqa: E402
 from aioprefill.workers.paddle.norm import rms_norm_for  # noqa: E402
 from aioprefill.workers.paddle.onednn import cpu_bf16  # noqa: E402
 from aioprefill.workers.paddle.ops import Rope, round_bf16_  # noqa: E402
@@ -145,10 +148,13 @@ class PaddleRunner:
         self._round_kv = self._bf16 and spec.deterministic
         # products: oneDNN on a CPU (paddle.gemm); fixed row tiles, or >= _floor rows (paddle.rows)
         threads, first = spec.num_threads, self._layers[0]
+        gemm = bf16_float32_gemm() if self._bf16 else None  # the float32 head's library
         self._mm, self._floor = (
-            (Products(self.device, threads, _TILE_ROWS, in_out=in_out), _TILE_ROWS)
+            (Products(self.device, threads, _TILE_ROWS, gemm, in_out=in_out), _TILE_ROWS)
             if self._deterministic
-            else checked_products(self.device, threads, first, weights.lm_head, in_out=in_out)
+            else checked_products(
+                self.device, threads, first, weights.lm_head, in_out=in_out, gemm=gemm
+            )
         )
         self._tiled = self._mm.tile_rows is not None
         tile = _HEAD_TILE_ROWS if self._tiled else None
@@ -162,6 +168,7 @@ class PaddleRunner:
             shard=self._shard,
             product=self._mm.product,
             pad_last=self._bf16,  # float32 head: rows bitwise from the floor, as bf16 layers
+            product_last=self._mm.product_few if self._bf16 else None,
         )
         self._kv_share = self._shard.kv_share()  # parallel: this rank's KV heads of an export
         shape = {
@@ -220,38 +227,7 @@ class PaddleRunner:
         return self._linear(act, layer.down, split)
 
     def _check(self, batch: ForwardBatch) -> None:
-        if batch.size == 0:
-            raise ValueError("empty batch")
-        lens = batch.seq_lens()
-        if (lens <= 0).any():
-            raise ValueError("every request in a batch needs at least one token")
-        tokens = batch.tokens
-        if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size):
-            raise ValueError(f"token id out of range [0, {self.spec.vocab_size})")
-        ends = batch.start_pos.astype(np.int64) + lens
-        if int(ends.max()) > self.spec.max_prompt_tokens:
-            # max_position_embeddings, or a shorter sliding_window (which is never applied).
-            raise ValueError(
-                f"position {int(ends.max())} past the model's {self.spec.max_prompt_tokens} "
-                "(max_position_embeddings or sliding_window)"
-            )
-        plan = BatchPlan.of(batch)
-        if plan is not None:
-            if self._store is None:
-                raise ValueError("a batch reads or writes prefix-cache slots, but none are kept")
-            plan.check(batch, self._store)
-        for i, (rid, start) in enumerate(
-            zip(batch.request_ids.tolist(), batch.start_pos.tolist(), strict=True)
-        ):
-            if start == 0 or (plan is not None and len(plan.reads[i])):
-                self._cache.pop(rid, None)  # a restart of a prompt drops any stale chunks
-                continue
-            have = self._cache.get(rid)
-            if have is None or have.length != start:
-                raise ValueError(
-                    f"request {rid}: chunk starts at {start}, but this worker holds "
-                    f"{0 if have is None else have.length} earlier tokens"
-                )
+        check_batch(batch, self.spec, self._store, self._cache)
 
     def _linear(self, x: paddle.Tensor, w: paddle.Tensor, split: bool = False) -> paddle.Tensor:
         """x @ w.T (tiled: `_TILE_ROWS` rows at a time); `split`: bf16x2 (`_BF16X2_LAYERS`)."""
@@ -263,6 +239,14 @@ class PaddleRunner:
 
     def _padded(self, rows: int, tile: int) -> int:
         return -(-rows // tile) * tile if self._tiled else max(rows, self._floor)
+
+    def _after_attention(
+        self, x: paddle.Tensor, attn: paddle.Tensor, layer: Layer, split: bool
+    ) -> paddle.Tensor:
+        """A layer from its attention output on: o projection, residual, norm, MLP, residual."""
+        x = x + self._shard.reduce(self._linear(attn, layer.o, split))
+        h = self._rms_norm(x, layer.post_norm, self.spec.rms_norm_eps)
+        return x + self._shard.reduce(self._mlp(h, layer, split))
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         spec = self.spec
@@ -292,6 +276,8 @@ class PaddleRunner:
             None if plan is None or self._store is None else PrefixForward(self._store, plan, batch)
         )
         att = functools.partial(attend_rows, tile=_ATTN_TILE, mm=self._mm, bf16=self._bf16)
+        # a next-token batch: the last layer from attention on for each last row alone
+        trim = self._shard.ep_size == 1 and last_rows_only(batch, plan, self._mm, self._bf16)
         keep = [not last for last in is_last]
         bounds = list(itertools.pairwise(offsets.tolist()))
         exports = self._exports = open_writers(batch, kv_layout(spec), self._kv_share)
@@ -325,10 +311,14 @@ class PaddleRunner:
                 if i in exports:  # before attention extends the cache
                     export_layer(exports[i], index, cache, k, v, *bounds[i])
 
+            if trim and index == len(self._layers) - 1:  # row i: sequence i's last
+                n = self._padded(len(bounds), _TILE_ROWS)
+                attn = att(q, k, v, bounds, caches, keep, index, n, before, last_only=True)
+                ends = offsets[1:] - 1
+                put_rows(x, ends, self._after_attention(take_rows(x, ends, n), attn, layer, split))
+                break
             attn = att(q, k, v, bounds, caches, keep, index, rows, before)  # [rows, heads * dim]
-            x = x + self._shard.reduce(self._linear(attn, layer.o, split))
-            h = rms_norm(x, layer.post_norm, eps)
-            x = x + self._shard.reduce(self._mlp(h, layer, split))
+            x = self._after_attention(x, attn, layer, split)
 
         prefixes = {} if prefix is None else prefix.after_layers(x, batch, caches)
         ends = (batch.start_pos + lens).tolist()
