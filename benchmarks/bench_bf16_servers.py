@@ -9,8 +9,11 @@ Every server is pinned to the same cores (`taskset -c --cores`, default 0-1): ai
 `--max-num-batched-tokens 4480` (16 x 280: the 16 prompts in flight fit one step, no chunking).
 `--servers` lists groups (`;`) of servers (`,`); the groups run one after the other (the
 memory of four servers at once is more than a shared 24 GiB machine spares). A group's servers
-are started together and stay up while it runs (an idle one's CPU over each pass is printed as
-`others`, so their quiet is shown, not assumed); each is warmed with one pass per task, then
+are started together and stay up while it runs; during each pass the others are paused
+(SIGSTOP of their process groups, SIGCONT after), so each server has the cores to itself as
+for a user who runs only it (measured before: an idle vLLM took ~1 CPU-s of the same cores
+during each aioprefill pass, ~3.5% of its wall; `--no-pause-others` leaves them running, and
+their CPU over each pass is printed as `others` either way); each is warmed with one pass per task, then
 they are measured one at a time in `--rounds` rounds, the order reversed every other round
 (A B, B A, ...): ratios are side by side only within a group. The client is this process
 (aiohttp, 16 requests in flight, request bodies encoded once, the same bytes for every server:
@@ -40,11 +43,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import msgspec
@@ -145,6 +150,11 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64, help="of 64x280's")
     p.add_argument("--start-timeout", type=float, default=900, help="s, per server")
     p.add_argument("--lock", default="", help="flock this file around each round")
+    p.add_argument(
+        "--no-pause-others", dest="pause_others", action="store_false",
+        help="leave the group's other servers running during a pass (before session 11: an idle "
+             "vLLM took ~1 CPU-s of the same cores during each aioprefill pass)",
+    )  # fmt: skip
     args = p.parse_args()
     # a `timeout` (SIGTERM) unwinds like ^C: the servers are stopped, not left running
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -161,7 +171,9 @@ def main() -> None:
 
     print(f"# CPU: {cpu_line()}; cores {args.cores} (of {os.cpu_count()})")
     print(f"# {len(prompts)} prompts x 280 ids, max_tokens 1, {args.concurrency} in flight, "
-          f"prefix cache off; {args.rounds} rounds, order reversed every other round")  # fmt: skip
+          f"prefix cache off; {args.rounds} rounds, order reversed every other round; "
+          f"{'the others paused (SIGSTOP)' if args.pause_others else 'the others left running'} "
+          "during each pass")  # fmt: skip
     print(f"# {' '.join(sys.argv)}", flush=True)
     groups = [g.split(",") for g in args.servers.split(";")]
     keys = [k for g in groups for k in g]
@@ -191,6 +203,21 @@ def main() -> None:
             print(f"{SERVERS[k][0]:27s} {t:5s} {accuracy(t, last[(k, t)], prompts, ref, texts)}")
 
 
+@contextlib.contextmanager
+def paused(nodes: list[Node], pause: bool) -> Iterator[None]:
+    """The other servers' process groups stopped (SIGSTOP) for the pass, so a server measures
+    on the cores alone, as a user running only it would; SIGCONT after, whatever happens."""
+    stopped = []
+    try:
+        for n in nodes if pause else ():
+            os.killpg(n.proc.pid, signal.SIGSTOP)
+            stopped.append(n)
+        yield
+    finally:
+        for n in stopped:
+            os.killpg(n.proc.pid, signal.SIGCONT)
+
+
 def run_group(group, args, work, tokens, wall, cpu, front, last) -> None:
     """Start the group's servers together, warm each, then the rounds; stop them all."""
     print(f"# group {','.join(group)}", flush=True)
@@ -215,7 +242,8 @@ def run_group(group, args, work, tokens, wall, cpu, front, last) -> None:
                         others = {o: tree_cpu_s(nodes[o].proc.pid) for o in group if o != k}
                         load = os.getloadavg()[0]
                         c0, f0 = tree_cpu_s(pid), cpu_s(pid)
-                        got, w = asyncio.run(one_pass(nodes[k].url, work[t], args.concurrency))
+                        with paused([nodes[o] for o in group if o != k], args.pause_others):
+                            got, w = asyncio.run(one_pass(nodes[k].url, work[t], args.concurrency))
                         c, f = tree_cpu_s(pid) - c0, cpu_s(pid) - f0
                         idle = sum(tree_cpu_s(nodes[o].proc.pid) - v for o, v in others.items())
                         wall.setdefault((k, t), []).append(w)
