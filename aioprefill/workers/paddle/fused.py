@@ -22,11 +22,12 @@ sentence-transformers max |d| 2.2e-7 either way). Measured (benchmarks/results/e
 short_prompts.txt, lock, 1 thread, MiniLM, two runs): one layer's attention 2.2-2.7x faster at
 1-16 tokens (per-head 69-87 us, batched 26-40), 1.45-1.97x at 24-48, 1.16-1.23x at 64-80 (one
 run's 80 tokens 0.91x), 1.01-1.10x at 88-128, 0.96-1.03x at 160-256 (not routed); the forward on
-1,000 prompts of 8-48 tokens 6.58 against 7.07 CPU-s (1.07x; attention 0.62 against 1.01), on
-the 8-256 mix 9.96 against 9.88 (within the rounds' spread, 9.68-10.16 and 9.73-10.31), on
-96-128 tokens 7.56 against 7.64. At 2 threads (the primitive made at 2 threads) its bits differ
-from the per-head path's for some shapes (MiniLM's layout at 101-199 tokens, 3 heads of 20 at
-every length): there every prompt keeps the per-head path.
+1,000 prompts of 8-48 tokens 1.03-1.07x fewer CPU-s (medians 6.58 against 7.07, 6.53 against
+6.72; attention 1.46-1.63x), on the 8-256 mix 0.99x and 1.004x (9.96 against 9.88, 10.04 against
+10.08: within the rounds' spread), on 96-128 tokens 7.56 against 7.64. At 2 threads (the
+primitive made at 2 threads) its bits differ from the per-head path's for some shapes (MiniLM's
+layout at 101-199 tokens, 3 heads of 20 at every length): there every prompt keeps the per-head
+path.
 
 Nothing else on this machine computes it much cheaper (benchmarks/studies/encoder/
 bench_attention.py, four runs under the measurement lock at load 1.0-3.1:
