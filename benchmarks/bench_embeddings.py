@@ -2,20 +2,22 @@
 `encode` (torch, in the reference venv .st-venv), side by side in one run.
 
     python benchmarks/bench_embeddings.py [--sentences 1000] [--rounds 3] [--threads 2] \
-        [--layouts 2x1,1x2] [--st-batch 16,32,64] [--out benchmarks/results/serve/embeddings.txt]
+        [--layouts 2x1,1x2] [--st-batch 16,32,64] [--lengths 8-256] \
+        [--out benchmarks/results/serve/embeddings.txt]
 
 The sentences (seeded, no download) are 8 to 256 tokens long as MiniLM's tokenizer counts
-them, lengths uniform over that range. Both sides start from text and end with normalised
-float32 embeddings: sentence-transformers' `encode(batch_size=B, normalize_embeddings=True)`
-with `torch.set_num_threads(threads)`; the engine's `EncoderText.encode_batch` then every
-sentence's `engine.prefill(ids)` at once (the model's own mean pooling + Normalize), with
-`num_workers x num_threads == threads` CPU threads (each layout given). First each side is
-warmed and sentence-transformers' batch sizes are tried once (its best is used); then rounds of
-A B B A (sentence-transformers, engine layouts, engine layouts, sentence-transformers), and the
-medians, sentences/s and ratios are reported. The embeddings of both sides are compared too
-(cosine). sentence-transformers runs in a child process of .st-venv (built as FINDINGS says:
-`python3.11 -m venv .st-venv && .st-venv/bin/pip install torch==2.13.0 transformers
-sentence-transformers`), driven over stdin; nothing of torch enters this process.
+them, lengths uniform over that range (`--lengths 8-48`: short texts, queries and titles). Both
+sides start from text and end with normalised float32 embeddings: sentence-transformers'
+`encode(batch_size=B, normalize_embeddings=True)` with `torch.set_num_threads(threads)`; the
+engine's `EncoderText.encode_batch` then every sentence's `engine.prefill(ids)` at once (the
+model's own mean pooling + Normalize), with `num_workers x num_threads == threads` CPU threads
+(each layout given). First each side is warmed and sentence-transformers' batch sizes are tried
+once (its best is used); then rounds of A B B A (sentence-transformers, engine layouts, engine
+layouts, sentence-transformers), and the medians, sentences/s and ratios are reported. The
+embeddings of both sides are compared too (cosine). sentence-transformers runs in a child
+process of .st-venv (built as FINDINGS says: `python3.11 -m venv .st-venv && .st-venv/bin/pip
+install torch==2.13.0 transformers sentence-transformers`), driven over stdin; nothing of torch
+enters this process.
 """
 
 from __future__ import annotations
@@ -78,12 +80,15 @@ for line in sys.stdin:
 """
 
 
-def make_sentences(n: int, text: EncoderText, seed: int = 34) -> list[str]:
-    """`n` sentences whose token counts ([CLS] and [SEP] included) are uniform in 8..256."""
+def make_sentences(
+    n: int, text: EncoderText, seed: int = 34, lengths: tuple[int, int] = (8, 256)
+) -> list[str]:
+    """`n` sentences whose token counts ([CLS] and [SEP] included) are uniform in `lengths`
+    (8..256 unless told)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        target = rng.randint(8, 256)
+        target = rng.randint(*lengths)
         words: list[str] = []
         while True:
             words.append(rng.choice(WORDS))
@@ -156,14 +161,16 @@ def main() -> None:
     p.add_argument("--st-batch", default="16,32,64")
     p.add_argument("--st-try", type=int, default=300, help="sentences the batch sizes try")
     p.add_argument("--max-batch-tokens", type=int, default=8192)
+    p.add_argument("--lengths", default="8-256", help="LO-HI tokens a sentence (short: 8-48)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    lo, hi = (int(v) for v in args.lengths.split("-"))
     layouts = [tuple(int(v) for v in s.split("x")) for s in args.layouts.split(",")]
     assert all(w * t == args.threads for w, t in layouts), "layouts must use --threads threads"
     spec = PaddleModel.from_pretrained(minilm_dir())
     tok = Tokenizer.from_pretrained(minilm_dir())
     text = EncoderText.for_model(tok, spec)
-    sentences = make_sentences(args.sentences, text)
+    sentences = make_sentences(args.sentences, text, lengths=(lo, hi))
     lengths = [len(x) for x in text.encode_batch(sentences)]
     lines = [
         f"# {' '.join(sys.argv)}",

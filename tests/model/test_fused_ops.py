@@ -10,8 +10,10 @@ import numpy as np
 import paddle
 import pytest
 
+import aioprefill.workers.paddle.fused as fused
 from aioprefill.workers.paddle.fused import attend_, bias_, fused_available, layer_norm_
 from aioprefill.workers.paddle.gemm import Products
+from aioprefill.workers.paddle.onednn import openmp_threads
 
 paddle.set_device("cpu")
 _erf = np.vectorize(math.erf)
@@ -72,3 +74,54 @@ def test_attention_of_one_prompt_matches_float64(n: int) -> None:
     want = (p / p.sum(-1, keepdims=True) @ v).transpose(1, 0, 2).reshape(n, hidden)
     np.testing.assert_allclose(ctx[before : before + n], want, atol=2e-6, rtol=1e-5)
     assert (ctx[:before] == 7.0).all() and (ctx[before + n :] == 7.0).all()  # nothing else written
+
+
+def _attention(mm: Products, p: np.ndarray, before: int, heads: int, hd: int) -> np.ndarray:
+    """attend_ on prompt rows `p` packed after `before` other rows; the prompt's context."""
+    n, hidden = len(p), heads * hd
+    qkv = np.zeros((before + n + 2, 3 * hidden), np.float32)
+    qkv[before : before + n] = p
+    ctx = np.full((before + n + 2, hidden), 7.0, np.float32)
+    scores = np.empty(heads * n * n + 5, np.float32)
+    attend_(mm, qkv, ctx, before, before + n, heads, 1 / math.sqrt(hd), scores)
+    assert (ctx[:before] == 7.0).all() and (ctx[before + n :] == 7.0).all()
+    return ctx[before : before + n]
+
+
+@pytest.mark.parametrize(("heads", "hd"), [(12, 32), (4, 16), (8, 48), (16, 64), (3, 20)])
+def test_short_prompts_batched_products_give_the_per_head_bits(
+    heads: int, hd: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every length `attend_` routes to the batched runtime-shape matmul primitives (1 to
+    SHORT_PROMPT tokens, 1 thread) gives the per-head sgemm path's context bit for bit, at an
+    offset inside a packed batch (what batch invariance and the accuracy figures rest on)."""
+    mm = Products("cpu", 1, None, gemm="onednn", in_out=True)
+    assert openmp_threads() == 1
+    hidden = heads * hd
+    assert fused._batched(heads, hd, 3 * hidden, hidden, 1 / math.sqrt(hd)) is not None
+    rng = np.random.default_rng(heads * hd)
+    for n in range(1, fused.SHORT_PROMPT + 1):
+        p = (rng.standard_normal((n, 3 * hidden)) * 2).astype(np.float32)
+        before = n % 5
+        batched = _attention(mm, p, before, heads, hd)
+        with monkeypatch.context() as m:
+            m.setattr(fused, "SHORT_PROMPT", 0)  # every length on the per-head path
+            per_head = _attention(mm, p, 3, heads, hd)
+        np.testing.assert_array_equal(batched, per_head, err_msg=f"{n} tokens")
+
+
+def test_more_threads_keep_the_per_head_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 2 threads the batched primitives' bits differ from the per-head path's for some
+    shapes (MiniLM's layout at 101-199 tokens, 3 heads of 20 at every length: measured), so
+    `attend_` keeps the per-head path there: the same bits as with no batched path at all."""
+    mm = Products("cpu", 2, None, gemm="onednn", in_out=True)
+    try:
+        rng = np.random.default_rng(0)
+        for heads, hd, n in ((12, 32, 120), (3, 20, 5)):
+            p = (rng.standard_normal((n, 3 * heads * hd)) * 2).astype(np.float32)
+            got = _attention(mm, p, 1, heads, hd)
+            with monkeypatch.context() as m:
+                m.setattr(fused, "SHORT_PROMPT", 0)
+                np.testing.assert_array_equal(got, _attention(mm, p, 1, heads, hd))
+    finally:
+        Products("cpu", 1, None, gemm="onednn", in_out=True)  # back to the tests' 1 thread

@@ -20,21 +20,27 @@ from collections.abc import Sequence
 from aioprefill.workers.paddle.env import onednn_library
 
 __all__ = [
+    "ARG_ATTR_SCALES",
     "ARG_DST",
     "ARG_SRC",
     "ARG_SRC_1",
+    "ARG_WEIGHTS",
     "BF16",
     "BINARY_MUL",
     "ELTWISE_SWISH",
     "F32",
+    "RUNTIME_DIM",
+    "Arguments",
     "Dnnl",
     "DnnlError",
     "PostOps",
     "Primitive",
+    "RuntimePrimitive",
     "binary_primitive",
     "check",
     "dnnl",
     "eltwise_primitive",
+    "matmul_primitive_desc",
     "memory_desc",
     "post_op_arg",
     "primitive_desc",
@@ -54,6 +60,8 @@ BINARY_MUL = 0x1FFF1
 ARG_SRC, ARG_SRC_1, ARG_DST = 1, 2, 17
 ARG_WEIGHTS, ARG_BIAS = 33, 41
 _POST_OP_BASE = 32768  # DNNL_ARG_ATTR_MULTIPLE_POST_OP_BASE (oneDNN 3.x)
+ARG_ATTR_SCALES = 4096  # DNNL_ARG_ATTR_SCALES: an argument's scales are `ARG_ATTR_SCALES | arg`
+RUNTIME_DIM = -(1 << 63)  # DNNL_RUNTIME_DIM_VAL: a dimension or stride given at execution
 _CPU, _IN_ORDER = 1, 1
 
 
@@ -146,7 +154,8 @@ def memory_desc(
 
 
 class PostOps:
-    """A primitive attribute with post-ops appended in order (`eltwise`, `binary`, `sum`)."""
+    """A primitive attribute with post-ops appended in order (`eltwise`, `binary`, `sum`) and
+    argument scales (`scale`)."""
 
     def __init__(self) -> None:
         lib = self._lib = _need().lib
@@ -170,6 +179,14 @@ class PostOps:
         """dst += the product's result (dst's values before the call, scaled)."""
         check(self._lib.dnnl_post_ops_append_sum(self._ops, scale, 0, 0), "sum")
         return self._done()
+
+    def scale(self, arg: int) -> PostOps:
+        """A common scale for argument `arg` (execution argument `ARG_ATTR_SCALES | arg`: a
+        float32 [1]; a matmul multiplies its product by it). Not a post-op: `count` stays."""
+        fn = self._lib.dnnl_primitive_attr_set_scales_mask
+        fn.argtypes = [P, ctypes.c_int, ctypes.c_int]
+        check(fn(self.attr, arg, 0), "set_scales_mask")
+        return self
 
     def _done(self) -> PostOps:
         self.count += 1
@@ -270,3 +287,55 @@ def binary_primitive(alg: int, src0: MemoryDesc, src1: MemoryDesc, dst: MemoryDe
     args = (_need().engine, alg, src0.handle, src1.handle, dst.handle, None)
     pd = primitive_desc("dnnl_binary_primitive_desc_create", [P, ctypes.c_int, P, P, P, P], *args)
     return Primitive(pd, [(ARG_SRC, src0), (ARG_SRC_1, src1), (ARG_DST, dst)])
+
+
+def matmul_primitive_desc(
+    src: MemoryDesc, weights: MemoryDesc, dst: MemoryDesc, attr: PostOps | None = None
+) -> P:
+    """dst = src @ weights, batched over the leading dims (no bias). Dims and strides may be
+    `RUNTIME_DIM`: one primitive then serves every shape (`RuntimePrimitive`)."""
+    a = None if attr is None else attr.attr
+    args = (_need().engine, src.handle, weights.handle, None, dst.handle, a)
+    return primitive_desc("dnnl_matmul_primitive_desc_create", [P, P, P, P, P, P], *args)
+
+
+class Arguments:
+    """One memory object per execution argument (`args`: (argument id, descriptor) pairs) for
+    a `RuntimePrimitive` at concrete shapes; memory objects compile nothing, so callers keep
+    one a shape. `point` re-points only what moved (a ctypes call is ~1 us)."""
+
+    def __init__(self, args: Sequence[tuple[int, MemoryDesc]]) -> None:
+        d = _need()
+        lib = self._lib = d.lib
+        self._descs, self._mems = [md for _, md in args], []
+        for _, md in args:
+            self._mems.append(m := P())
+            check(lib.dnnl_memory_create(ctypes.byref(m), md.handle, d.engine, None), "memory")
+        pairs = zip(args, self._mems, strict=True)
+        self.array = (_Arg * len(args))(*(_Arg(a, m) for (a, _), m in pairs))
+        self.n, self._last = len(args), [None] * len(args)
+
+    def point(self, addresses: Sequence[int]) -> None:
+        for i, a in enumerate(addresses):
+            if self._last[i] != a:
+                check(self._lib.dnnl_memory_set_data_handle(self._mems[i], a), "set_data_handle")
+                self._last[i] = a
+
+    def __del__(self) -> None:
+        for m in getattr(self, "_mems", ()):
+            self._lib.dnnl_memory_destroy(m)
+
+
+class RuntimePrimitive(Primitive):
+    """A primitive whose descriptor has `RUNTIME_DIM` dims or strides: one primitive, one set
+    of kernels, for every shape. Called with an `Arguments` for the call's shapes, then the
+    addresses in its order."""
+
+    def __init__(self, pd: P, keep: Sequence[object] = ()) -> None:
+        super().__init__(pd, [], keep)
+
+    def __call__(self, args: Arguments, *addresses: int) -> None:  # type: ignore[override]
+        args.point(addresses)
+        lib = self._lib
+        check(lib.dnnl_primitive_execute(self._prim, self._stream, args.n, args.array), "execute")
+        check(lib.dnnl_stream_wait(self._stream), "stream_wait")

@@ -32,6 +32,7 @@ __all__ = [
     "load_gemm",
     "load_gemm_bf16",
     "load_sgemm",
+    "openmp_threads",
     "set_openmp_threads",
 ]
 
@@ -156,6 +157,29 @@ def set_openmp_threads(threads: int) -> None:
             ctypes.CDLL(name).omp_set_num_threads(threads)
         except (OSError, AttributeError):
             continue
+
+
+@functools.cache
+def _get_max_threads() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    libs = paddle_libs()
+    for name in (str(libs / "libiomp5.so") if libs else None, "libgomp.so.1"):
+        if name is None:
+            continue
+        try:
+            fn = ctypes.CDLL(name).omp_get_max_threads
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [], ctypes.c_int
+        return fn
+    return None
+
+
+def openmp_threads() -> int:
+    """The OpenMP runtime's thread count as oneDNN reads it (the first runtime
+    `set_openmp_threads` sets: Paddle's libiomp5, whose symbols oneDNN's calls reach), or 0
+    where none loads. ~0.2 us a call."""
+    fn = _get_max_threads()
+    return 0 if fn is None else int(fn())
 
 
 def check(status: int) -> None:
