@@ -7,17 +7,17 @@ Every server is pinned to the same cores (`taskset -c --cores`, default 0-1): ai
 `--workers 2 --threads 1` (one 1-thread worker per core), vLLM with
 `VLLM_CPU_OMP_THREADS_BIND=--cores` (its OpenMP threads on those cores) and
 `--max-num-batched-tokens 4480` (16 x 280: the 16 prompts in flight fit one step, no chunking).
-`--servers` lists groups (`;`) of servers (`,`); the groups run one after the other (the
-memory of four servers at once is more than a shared 24 GiB machine spares). A group's servers
-are started together and stay up while it runs; during each pass the others are paused
-(SIGSTOP of their process groups, SIGCONT after), so each server has the cores to itself as
-for a user who runs only it (measured before: an idle vLLM took ~1 CPU-s of the same cores
-during each aioprefill pass, ~3.5% of its wall; `--no-pause-others` leaves them running, and
-their CPU over each pass is printed as `others` either way); each is warmed with one pass per task, then
-they are measured one at a time in `--rounds` rounds, the order reversed every other round
-(A B, B A, ...): ratios are side by side only within a group. The client is this process
-(aiohttp, 16 requests in flight, request bodies encoded once, the same bytes for every server:
-a token-id prompt to /v1/completions). Two tasks:
+`--servers` lists groups (`;`) of servers (`,`); the groups run one after the other (the memory
+of four servers at once is more than a shared 24 GiB machine spares). A group's servers are
+started together and stay up while it runs; during each pass the others are paused (SIGSTOP of
+their process groups, SIGCONT after), so each server has the cores to itself as for a user who
+runs only it (measured before: an idle vLLM took ~1 CPU-s of the same cores during each
+aioprefill pass, ~3.5% of its wall; `--no-pause-others` leaves them running, and their CPU over
+each pass is printed as `others` either way); each is warmed with one pass per task, then they
+are measured one at a time in `--rounds` rounds, the order reversed every other round (A B, B A,
+...): ratios are side by side only within a group. The client is this process (aiohttp, 16
+requests in flight, request bodies encoded once, the same bytes for every server: a token-id
+prompt to /v1/completions). Two tasks:
 
 * `next`: {"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1}: prefill + the
   greedy next token and its logprob;

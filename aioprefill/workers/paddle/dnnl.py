@@ -313,7 +313,8 @@ class Arguments:
             check(lib.dnnl_memory_create(ctypes.byref(m), md.handle, d.engine, None), "memory")
         pairs = zip(args, self._mems, strict=True)
         self.array = (_Arg * len(args))(*(_Arg(a, m) for (a, _), m in pairs))
-        self.n, self._last = len(args), [None] * len(args)
+        self.n = len(args)
+        self._last: list[int | None] = [None] * len(args)
 
     def point(self, addresses: Sequence[int]) -> None:
         for i, a in enumerate(addresses):
