@@ -200,10 +200,41 @@ class PostOps:
             self._lib.dnnl_primitive_attr_destroy(self.attr)
 
 
+class Arguments:
+    """One memory object per execution argument of a primitive (`args`: (argument id,
+    descriptor) pairs). `point(addresses)` points them, in `args`' order, re-pointing only what
+    moved (a ctypes call is ~1 us). Memory objects compile nothing: a `RuntimePrimitive`'s
+    callers keep one a shape."""
+
+    def __init__(self, args: Sequence[tuple[int, MemoryDesc]]) -> None:
+        d = _need()
+        lib = self._lib = d.lib
+        self._descs, self._mems = [md for _, md in args], []  # the memory objects refer to them
+        for _, md in args:
+            self._mems.append(m := P())
+            check(lib.dnnl_memory_create(ctypes.byref(m), md.handle, d.engine, None), "memory")
+        pairs = zip(args, self._mems, strict=True)
+        self.array = (_Arg * len(args))(*(_Arg(a, m) for (a, _), m in pairs))
+        self.n = len(args)
+        self._last: list[int | None] = [None] * len(args)
+
+    def point(self, addresses: Sequence[int]) -> None:
+        if len(addresses) != self.n:
+            raise ValueError(f"{len(addresses)} addresses for {self.n} arguments")
+        for i, a in enumerate(addresses):
+            if self._last[i] != a:
+                check(self._lib.dnnl_memory_set_data_handle(self._mems[i], a), "set_data_handle")
+                self._last[i] = a
+
+    def __del__(self) -> None:
+        for m in getattr(self, "_mems", ()):
+            self._lib.dnnl_memory_destroy(m)
+
+
 class Primitive:
     """A primitive from its descriptor `pd` (created by the caller with this module's engine;
-    owned from here on) and one memory object per execution argument: `args` pairs an argument
-    id with its descriptor. `__call__(*addresses)` points each argument, in `args`' order, at an
+    owned from here on) and its execution arguments (`Arguments(args)`: `args` pairs an argument
+    id with its descriptor). `__call__(*addresses)` points each argument, in `args`' order, at an
     address and runs the primitive to completion. A primitive's result for an element depends
     on its shapes, not on the memory it is pointed at, so one made for a shape serves every
     array of that shape (callers keep them in an LRU)."""
@@ -217,30 +248,21 @@ class Primitive:
         lib = self._lib = d.lib
         self._stream = d.stream
         self._pd, self._prim = pd, P()
-        self._descs = [md for _, md in args]  # the memory objects refer to them
         self._keep = list(keep)
         check(lib.dnnl_primitive_create(ctypes.byref(self._prim), pd), "primitive_create")
-        self._mems = []
-        for _, md in args:
-            m = P()
-            status = lib.dnnl_memory_create(ctypes.byref(m), md.handle, d.engine, None)
-            check(status, "memory_create")
-            self._mems.append(m)
-        pairs = zip(args, self._mems, strict=True)
-        self._args = (_Arg * len(args))(*(_Arg(a, m) for (a, _), m in pairs))
-        self._n = len(args)
+        self._args = Arguments(args)
 
     def __call__(self, *addresses: int) -> None:
+        self._run(self._args, addresses)
+
+    def _run(self, args: Arguments, addresses: Sequence[int]) -> None:
+        args.point(addresses)
         lib = self._lib
-        for m, a in zip(self._mems, addresses, strict=True):
-            check(lib.dnnl_memory_set_data_handle(m, a), "memory_set_data_handle")
-        check(lib.dnnl_primitive_execute(self._prim, self._stream, self._n, self._args), "execute")
+        check(lib.dnnl_primitive_execute(self._prim, self._stream, args.n, args.array), "execute")
         check(lib.dnnl_stream_wait(self._stream), "stream_wait")
 
     def __del__(self) -> None:
         lib = self._lib
-        for m in getattr(self, "_mems", ()):
-            lib.dnnl_memory_destroy(m)
         if self._prim:
             lib.dnnl_primitive_destroy(self._prim)
         if self._pd:
@@ -299,34 +321,6 @@ def matmul_primitive_desc(
     return primitive_desc("dnnl_matmul_primitive_desc_create", [P, P, P, P, P, P], *args)
 
 
-class Arguments:
-    """One memory object per execution argument (`args`: (argument id, descriptor) pairs) for
-    a `RuntimePrimitive` at concrete shapes; memory objects compile nothing, so callers keep
-    one a shape. `point` re-points only what moved (a ctypes call is ~1 us)."""
-
-    def __init__(self, args: Sequence[tuple[int, MemoryDesc]]) -> None:
-        d = _need()
-        lib = self._lib = d.lib
-        self._descs, self._mems = [md for _, md in args], []
-        for _, md in args:
-            self._mems.append(m := P())
-            check(lib.dnnl_memory_create(ctypes.byref(m), md.handle, d.engine, None), "memory")
-        pairs = zip(args, self._mems, strict=True)
-        self.array = (_Arg * len(args))(*(_Arg(a, m) for (a, _), m in pairs))
-        self.n = len(args)
-        self._last: list[int | None] = [None] * len(args)
-
-    def point(self, addresses: Sequence[int]) -> None:
-        for i, a in enumerate(addresses):
-            if self._last[i] != a:
-                check(self._lib.dnnl_memory_set_data_handle(self._mems[i], a), "set_data_handle")
-                self._last[i] = a
-
-    def __del__(self) -> None:
-        for m in getattr(self, "_mems", ()):
-            self._lib.dnnl_memory_destroy(m)
-
-
 class RuntimePrimitive(Primitive):
     """A primitive whose descriptor has `RUNTIME_DIM` dims or strides: one primitive, one set
     of kernels, for every shape. Called with an `Arguments` for the call's shapes, then the
@@ -336,7 +330,4 @@ class RuntimePrimitive(Primitive):
         super().__init__(pd, [], keep)
 
     def __call__(self, args: Arguments, *addresses: int) -> None:  # type: ignore[override]
-        args.point(addresses)
-        lib = self._lib
-        check(lib.dnnl_primitive_execute(self._prim, self._stream, args.n, args.array), "execute")
-        check(lib.dnnl_stream_wait(self._stream), "stream_wait")
+        self._run(args, addresses)

@@ -6,6 +6,7 @@ Paddle's wheel (`dnnl_sgemm`, `dnnl_gemm_bf16bf16f32`), whether a CPU worker can
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -147,30 +148,35 @@ def _to_bf16(n: int) -> Primitive:
     return reorder_primitive(memory_desc([n], F32), memory_desc([n], BF16))
 
 
-def set_openmp_threads(threads: int) -> None:
-    """The OpenMP runtime's thread count (oneDNN asks it; Paddle sets MKL's own count)."""
+def _openmp_runtimes() -> list[ctypes.CDLL]:
+    """The OpenMP runtimes that load: Paddle's libiomp5 first (whose symbols oneDNN's calls
+    reach), then libgomp."""
     libs = paddle_libs()
+    found = []
     for name in (str(libs / "libiomp5.so") if libs else None, "libgomp.so.1"):
         if name is None:
             continue
         try:
-            ctypes.CDLL(name).omp_set_num_threads(threads)
-        except (OSError, AttributeError):
+            found.append(ctypes.CDLL(name))
+        except OSError:
             continue
+    return found
+
+
+def set_openmp_threads(threads: int) -> None:
+    """The OpenMP runtime's thread count (oneDNN asks it; Paddle sets MKL's own count)."""
+    for lib in _openmp_runtimes():
+        with contextlib.suppress(AttributeError):
+            lib.omp_set_num_threads(threads)
 
 
 @functools.cache
 def _get_max_threads() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    libs = paddle_libs()
-    for name in (str(libs / "libiomp5.so") if libs else None, "libgomp.so.1"):
-        if name is None:
-            continue
-        try:
-            fn = ctypes.CDLL(name).omp_get_max_threads
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes, fn.restype = [], ctypes.c_int
-        return fn
+    for lib in _openmp_runtimes():
+        fn = getattr(lib, "omp_get_max_threads", None)
+        if fn is not None:
+            fn.argtypes, fn.restype = [], ctypes.c_int
+            return fn
     return None
 
 
