@@ -96,6 +96,37 @@ def test_bf16x2_products_carry_the_activations_to_float32() -> None:
     )
 
 
+@needs_bf16
+def test_bf16_heads_product_and_residual_adds() -> None:
+    """q/k/v as one matmul primitive over every head (`onednn.heads_product`): within float32
+    rounding of the bf16 sums, a row's bits the same at any row count (1 to 300) and split
+    (bf16x2) or not; `add_linear` adds the product into its float32 sum in place, within
+    float32 rounding of the separate add, rows as invariant."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((300, 96)).astype(np.float32)
+    w = rng.standard_normal((3, 96, 40)).astype(np.float32)
+    heads = paddle.to_tensor(w).astype("bfloat16")
+    xr, wr = _widen(_bf16_bits(x)).astype(np.float64), _widen(_bf16_bits(w)).astype(np.float64)
+    mm = gemm.Products("cpu", 1, None)
+    for split in (False, True):
+        want = np.einsum("rk,hkd->hrd", x.astype(np.float64) if split else xr, wr)
+        whole = np.from_dlpack(mm.project(paddle.to_tensor(x), heads, split=split))
+        assert np.abs(whole - want).max() <= 1e-5 * np.abs(want).max()
+        for m in (1, 2, 7, 16, 33, 100, 299):
+            part = mm.project(paddle.to_tensor(x[-m:]), heads, split=split)
+            assert np.array_equal(np.from_dlpack(part), whole[:, -m:]), (split, m)
+    wo = paddle.to_tensor(rng.standard_normal((64, 96)).astype(np.float32)).astype("bfloat16")
+    acc = rng.standard_normal((300, 64)).astype(np.float32)
+    apart = acc + np.from_dlpack(mm.linear(paddle.to_tensor(x), wo))
+    into = paddle.to_tensor(acc)
+    assert mm.add_linear(into, paddle.to_tensor(x), wo) is into  # in place
+    got = np.from_dlpack(into)
+    assert np.abs(got - apart).max() <= 1e-5 * np.abs(apart).max()
+    tail = paddle.to_tensor(acc[-16:])
+    mm.add_linear(tail, paddle.to_tensor(x[-16:]), wo)
+    assert np.array_equal(np.from_dlpack(tail), got[-16:])
+
+
 def test_slots_and_exports_round_to_nearest_even() -> None:
     """Float32 K/V that are not bf16 values (a default-mode bf16 worker's) are rounded as
     Paddle's cast rounds them, not truncated; bf16 values pass exactly; NaNs stay NaN."""

@@ -53,8 +53,17 @@ def check_same(got: list[Out], want: list[Out], tol: float = TOL) -> None:
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.ids == w.ids, f"step {step}"
         assert g.tokens == w.tokens, f"step {step}"
-        assert g.top_k_ids == w.top_k_ids, f"step {step}"
-        assert g.prompt_top_k_ids == w.prompt_top_k_ids, f"step {step}"
+        for name in ("top_k_ids", "prompt_top_k_ids"):
+            a, b = getattr(g, name), getattr(w, name)
+            if tol <= TOL:
+                assert a == b, f"step {step}: {name}"
+                continue
+            # bf16: two ids whose log-probabilities tie within the rounding may swap places
+            # (their values are checked below); only where a neighbour's value is that close
+            lps = getattr(w, name.replace("ids", "logprobs"))
+            for i in (i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y):
+                near = [abs(lps[i] - lps[j]) for j in (i - 1, i + 1) if 0 <= j < len(lps)]
+                assert min(near) <= 2 * tol, f"step {step}: {name}[{i}] {a[i]} != {b[i]}"
         names = ("logprobs", "top_k_logprobs", "prompt_logprobs", "prompt_top_k_logprobs")
         for name in (*names, "embeddings"):
             a, b = getattr(g, name), getattr(w, name)

@@ -26,10 +26,13 @@ from the same library: bfloat16 inputs, float32 accumulation, float32 output wri
 into the Paddle tensor (AMX where the CPU has it, avx512_bf16 otherwise). Its rows are bitwise
 batch-invariant from 2 rows (measured for SmolLM2's shapes at 1 and 2 threads while designing
 issue 35; `paddle.rows` checks it at start, the tests bitwise), so the tiles and the row floor
-hold as for sgemm. `per_head` (attention) stays float32. With `split=True` (the runner's first
-layer: `paddle.runner._BF16X2_LAYERS`) x goes as bf16x2, hi = bf16(x) and lo = bf16(x - hi), in
-two products into the same output (the second with beta=1): x's rounding error drops from 2^-9
-to ~2^-17 of each value at twice that product's cost.
+hold as for sgemm. `project` (q/k/v) runs every head in one matmul primitive instead
+(`paddle.onednn.heads_product`), except in tiles. `per_head` (attention) stays float32. With
+`split=True` (the runner's first layers: `paddle.runner._BF16X2_LAYERS`) x goes as bf16x2, hi =
+bf16(x) and lo = bf16(x - hi), in two products into the same output (the second adds): x's
+rounding error drops from 2^-9 to ~2^-17 of each value at twice that product's cost.
+`add_linear` (a residual connection) adds a bf16 product into its float32 sum
+in place (beta=1 on every pass).
 
 Batch invariance: with `tile_rows` (`deterministic=True`) `linear` and `project` multiply fixed
 tiles of that many rows, each written in place into the output (no split, no concat), so no
@@ -49,6 +52,7 @@ from aioprefill.workers.paddle.env import cpu_gemm
 from aioprefill.workers.paddle.onednn import (
     Bf16Cast,
     check,
+    heads_product,
     load_gemm_bf16,
     load_sgemm,
     set_openmp_threads,
@@ -161,6 +165,19 @@ class Products:
             return paddle.concat([paddle.matmul(t, w, transpose_y=ty) for t in parts])
         return self._xw(x, w, tile or x.shape[0], transposed=ty, split=split)
 
+    def add_linear(
+        self, acc: paddle.Tensor, x: paddle.Tensor, w: paddle.Tensor, *, split: bool = False
+    ) -> paddle.Tensor:
+        """acc + `linear(x, w)`: a residual connection. With a bf16 w on a CPU the products
+        add into `acc` itself (gemm's beta = 1, no separate pass over the rows; `acc` is
+        returned, overwritten): the sum's float32 rounding then differs from the separate
+        add's (the product's partial sums meet acc in another order). Elsewhere a new tensor,
+        bitwise as before."""
+        if w.dtype != paddle.bfloat16 or not self._fast(x, w) or not acc.is_contiguous():
+            return acc + self.linear(x, w, split=split)
+        ty = not self.in_out
+        return self._xw(x, w, self._tile or x.shape[0], transposed=ty, split=split, add_to=acc)
+
     def swiglu_linear(
         self, x: paddle.Tensor, w: paddle.Tensor, *, split: bool = False
     ) -> paddle.Tensor:
@@ -200,6 +217,12 @@ class Products:
         heads, _, dim = w.shape
         out = paddle.empty([heads, rows, dim], dtype=x.dtype)
         if rows == 0:
+            return out
+        if w.dtype == paddle.bfloat16 and tile is None and dnnl() is not None:
+            # every head of every row in one primitive call; bf16x2: lo's added by a second
+            inputs = self._cast.split(x) if split else (self._cast(x),)
+            for i, addr in enumerate(inputs):
+                heads_product(rows, k, heads, dim, add=i > 0)(addr, w.data_ptr(), out.data_ptr())
             return out
         sgemm, passes, xs, ws = self._gemm(x, w, split)
         wp, op = w.data_ptr(), out.data_ptr()
@@ -255,16 +278,20 @@ class Products:
         check(self._sgemm(b"N", tb, m, n, k, alpha, a, lda, b, ldb, 0.0, c, ldc))
 
     def _xw(
-        self, x: paddle.Tensor, w: paddle.Tensor, step: int, *, transposed: bool, split: bool
-    ) -> paddle.Tensor:
-        """x @ w.T (`transposed`: w [n, k]) or x @ w (w [k, n]), `step` rows a product."""
+        self, x: paddle.Tensor, w: paddle.Tensor, step: int, *, transposed: bool, split: bool,
+        add_to: paddle.Tensor | None = None,
+    ) -> paddle.Tensor:  # fmt: skip
+        """x @ w.T (`transposed`: w [n, k]) or x @ w (w [k, n]), `step` rows a product; with
+        `add_to` (contiguous float32 [rows, n]) added into it in place, and it returned."""
         x, w = _contiguous(x), _contiguous(w)
         rows, k = x.shape
         n = w.shape[0] if transposed else w.shape[1]
-        out = paddle.empty([rows, n], dtype=x.dtype)
+        out = paddle.empty([rows, n], dtype=x.dtype) if add_to is None else add_to
         if rows == 0:
             return out
         sgemm, passes, xs, _ = self._gemm(x, w, split)
+        if add_to is not None:
+            passes = [(xp, 1.0) for xp, _ in passes]
         wp, op = w.data_ptr(), out.data_ptr()
         tb, ldb = (b"T", k) if transposed else (b"N", n)
         for lo in range(0, rows, step):

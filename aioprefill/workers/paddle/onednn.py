@@ -1,8 +1,8 @@
 """oneDNN's C API through ctypes, for `paddle.gemm.Products`: its row-major gemm routines from
 Paddle's wheel (`dnnl_sgemm`, `dnnl_gemm_bf16bf16f32`), whether a CPU worker can run bfloat16
 (`cpu_bf16`), the rounding of float32 activations to the bf16 bits the bf16 routine reads
-(`Bf16Cast`), and the OpenMP thread count both libraries share. Why oneDNN and not Paddle's MKL
-`matmul`: gemm.py's docstring."""
+(`Bf16Cast`), bf16 q/k/v in one matmul primitive (`heads_product`), and the OpenMP thread
+count both libraries share. Why oneDNN and not Paddle's MKL `matmul`: gemm.py's docstring."""
 
 from __future__ import annotations
 
@@ -16,10 +16,15 @@ import paddle
 from aioprefill.errors import InvalidConfig
 from aioprefill.hf.dtype import cpu_bf16_units
 from aioprefill.workers.paddle.dnnl import (
+    ARG_DST,
+    ARG_SRC,
+    ARG_WEIGHTS,
     BF16,
     F32,
+    PostOps,
     Primitive,
     dnnl,
+    matmul_primitive_desc,
     memory_desc,
     reorder_primitive,
 )
@@ -30,6 +35,7 @@ __all__ = [
     "check",
     "cpu_bf16",
     "has_gemm_bf16",
+    "heads_product",
     "load_gemm",
     "load_gemm_bf16",
     "load_sgemm",
@@ -146,6 +152,29 @@ def _to_bf16(n: int) -> Primitive:
     passes above (checked on SmolLM2's activations and on ties; tests/model/test_bf16.py), one
     read and one write (2,240 x 576: 0.13 against 0.64 ms, 1 thread, AMD Zen 4)."""
     return reorder_primitive(memory_desc([n], F32), memory_desc([n], BF16))
+
+
+@functools.lru_cache(maxsize=128)
+def heads_product(rows: int, k: int, heads: int, dim: int, *, add: bool = False) -> Primitive:
+    """bf16 x [rows, k] times bf16 w [heads, k, dim] -> float32 [heads, rows, dim], float32
+    accumulation: one oneDNN matmul primitive, batched over the heads with x broadcast (called
+    with x's, w's and the output's addresses). oneDNN picks its brgemm kernels for fixed shapes
+    (`brg_matmul:avx512_core_bf16` on AMD Zen 4; runtime dims or strides fall back to the gemm
+    routine's kernels): q/k/v of SmolLM2 at 2,240 rows 11.7 against 14.4 ms CPU as 15 narrow
+    per-head `dnnl_gemm_bf16bf16f32` calls in 256-row blocks, 280 rows 1.40 against 1.80, 16
+    rows 0.11 against 0.20 (1 thread, AMD Zen 4; benchmarks/results/model/heads_product.txt).
+    Its rows kept their bits at every row count tried, 1 to 2,240, at 1 and 2 threads
+    (`paddle.rows` checks the worker's own); against the gemm routine they differ by float32
+    rounding (~2e-6 of unit-scale values). One primitive per row count (~0.5-1.8 ms to make,
+    then reused by every layer). `add`: the product is added to the output's values (a sum
+    post-op: bf16x2's second product)."""
+    src = memory_desc([1, rows, k], BF16)
+    weights = memory_desc([heads, k, dim], BF16)
+    dst = memory_desc([heads, rows, dim], F32)
+    attr = PostOps().sum() if add else None
+    pd = matmul_primitive_desc(src, weights, dst, attr)
+    args = [(ARG_SRC, src), (ARG_WEIGHTS, weights), (ARG_DST, dst)]
+    return Primitive(pd, args, keep=[] if attr is None else [attr])
 
 
 def _openmp_runtimes() -> list[ctypes.CDLL]:

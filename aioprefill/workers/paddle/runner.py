@@ -85,6 +85,11 @@ _HEAD_TILE_ROWS = 16
 # ... and attention runs queries in tiles of this many absolute positions (paddle.attention).
 _ATTN_TILE = 64
 _BF16X2_LAYERS = 1  # bf16 on a CPU: this many first layers' products on bf16x2 (Products split)
+# ... and this many first layers' q/k/v products: the rounding of their inputs is the largest
+# part of the bf16 error (SmolLM2, 64 x 280 against float64, prompt logprob p99: 0.074 with
+# the first layer alone on bf16x2, 0.069 with these four layers' q/k/v too, 0.061 with every
+# layer's q/k/v; every product of the first four layers 0.063), ~1.5% of a forward's CPU.
+_BF16X2_QKV_LAYERS = 4
 
 
 def _pick_device(spec: PaddleModel, worker_index: int, grouped: bool = False) -> str:
@@ -243,10 +248,16 @@ class PaddleRunner:
     def _after_attention(
         self, x: paddle.Tensor, attn: paddle.Tensor, layer: Layer, split: bool
     ) -> paddle.Tensor:
-        """A layer from its attention output on: o projection, residual, norm, MLP, residual."""
-        x = x + self._shard.reduce(self._linear(attn, layer.o, split))
+        """A layer from its attention output on: o projection, residual, norm, MLP, residual.
+        Alone (no TP) the dense products add into x in place (`Products.add_linear`)."""
+        if self._shard.tp_size > 1 or layer.moe is not None:
+            x = x + self._shard.reduce(self._linear(attn, layer.o, split))
+            h = self._rms_norm(x, layer.post_norm, self.spec.rms_norm_eps)
+            return x + self._shard.reduce(self._mlp(h, layer, split))
+        x = self._mm.add_linear(x, attn, layer.o, split=split)
         h = self._rms_norm(x, layer.post_norm, self.spec.rms_norm_eps)
-        return x + self._shard.reduce(self._mlp(h, layer, split))
+        act = self._mm.swiglu_linear(h, layer.gate_up, split=split)  # silu(gate) * up
+        return self._mm.add_linear(x, act, layer.down, split=split)
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         spec = self.spec
@@ -285,7 +296,8 @@ class PaddleRunner:
         for index, layer in enumerate(self._layers):
             split = self._bf16 and index < _BF16X2_LAYERS
             h = rms_norm(x, layer.in_norm, eps)
-            qkv = self._project(h, layer.qkv, split)  # [heads + 2 * kv_heads, rows, dim]
+            # [heads + 2 * kv_heads, rows, dim]
+            qkv = self._project(h, layer.qkv, self._bf16 and index < _BF16X2_QKV_LAYERS)
             if layer.qkv_bias is not None:
                 # Spread over the rows by a rank-1 product, then an equal-shape add: paddle's CPU
                 # broadcast add cost 8x more (0.1 vs 0.015 ms over 16 rows, 13 vs 10 at 2048).
