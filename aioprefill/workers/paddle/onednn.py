@@ -166,7 +166,8 @@ def heads_product(rows: int, k: int, heads: int, dim: int, *, add: bool = False)
     Its rows kept their bits at every row count tried, 1 to 2,240, at 1 and 2 threads
     (`paddle.rows` checks the worker's own); against the gemm routine they differ by float32
     rounding (~2e-6 of unit-scale values). One primitive per row count (~0.5-1.8 ms to make,
-    then reused by every layer). `add`: the product is added to the output's values (a sum
+    then reused by every layer; ~0.27 MB of JIT code each, hence the small LRU and
+    `dnnl._CACHE_CAPACITY`). `add`: the product is added to the output's values (a sum
     post-op: bf16x2's second product)."""
     src = memory_desc([1, rows, k], BF16)
     weights = memory_desc([heads, k, dim], BF16)
