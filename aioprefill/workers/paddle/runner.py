@@ -85,11 +85,10 @@ _HEAD_TILE_ROWS = 16
 # ... and attention runs queries in tiles of this many absolute positions (paddle.attention).
 _ATTN_TILE = 64
 _BF16X2_LAYERS = 1  # bf16 on a CPU: this many first layers' products on bf16x2 (Products split)
-# ... and this many first layers' q/k/v products: the rounding of their inputs is the largest
-# part of the bf16 error (SmolLM2, 64 x 280 against float64, prompt logprob p99: 0.074 with
-# the first layer alone on bf16x2, 0.069 with these four layers' q/k/v too, 0.061 with every
-# layer's q/k/v; every product of the first four layers 0.063): ~1.3% of a forward's CPU by
-# its parts (1 ms of casts and a 13 ms product a layer at 2,240 rows), 3% in one A/B.
+# ... and this many first layers' q/k/v: their inputs' rounding is the largest share of the
+# bf16 error (SmolLM2 64 x 280, prompt logprob p99 against float64: 0.074 with layer 0 alone,
+# 0.069 with these, 0.061 with every layer's q/k/v: docs/performance.md, "Session 12"); ~1.3%
+# of a forward's CPU by its parts (1 ms of casts + a 13 ms product a layer), 3% in one A/B.
 _BF16X2_QKV_LAYERS = 4
 
 
