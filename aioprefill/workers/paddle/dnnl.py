@@ -63,7 +63,7 @@ _POST_OP_BASE = 32768  # DNNL_ARG_ATTR_MULTIPLE_POST_OP_BASE (oneDNN 3.x)
 ARG_ATTR_SCALES = 4096  # DNNL_ARG_ATTR_SCALES: an argument's scales are `ARG_ATTR_SCALES | arg`
 RUNTIME_DIM = -(1 << 63)  # DNNL_RUNTIME_DIM_VAL: a dimension or stride given at execution
 _CPU, _IN_ORDER = 1, 1
-_CACHE_CAPACITY = 64  # oneDNN's primitive cache, per process (`Dnnl`)
+_CACHE_CAPACITY = 256  # oneDNN's primitive cache, per process (`Dnnl`)
 
 
 class DnnlError(RuntimeError):
@@ -104,9 +104,10 @@ class Dnnl:
         lib.dnnl_post_ops_append_sum.argtypes = [P, f32, ctypes.c_int32, ctypes.c_int]
         lib.dnnl_primitive_attr_set_post_ops.argtypes = [P, P]
         # Every primitive this package makes is held by its caller's LRU while in use; oneDNN's
-        # own cache (1,024 by default) only speeds re-creating an evicted one, and it kept each
-        # bf16 q/k/v matmul's JIT code alive (~0.27 MB per row count: +187 MB after 600 row
-        # counts, flat at this capacity): a server sees a new row count nearly every forward.
+        # own cache (1,024 by default) speeds re-creating an evicted one (a softmax: 0.02
+        # against 0.23 ms), and it kept each bf16 q/k/v matmul's JIT code alive (~0.27 MB per
+        # row count: +187 MB after 600 row counts and growing; +87 MB, flat, at 256, the
+        # largest of the callers' LRUs): a server sees a new row count nearly every forward.
         lib.dnnl_set_primitive_cache_capacity.argtypes = [ctypes.c_int]
         check(lib.dnnl_set_primitive_cache_capacity(_CACHE_CAPACITY), "primitive_cache")
         self.engine, self.stream = P(), P()

@@ -154,7 +154,7 @@ def _to_bf16(n: int) -> Primitive:
     return reorder_primitive(memory_desc([n], F32), memory_desc([n], BF16))
 
 
-@functools.lru_cache(maxsize=32)  # ~0.27 MB of JIT code each (dnnl.py's cache note)
+@functools.lru_cache(maxsize=32)  # ~0.27 MB of JIT code each: dnnl._CACHE_CAPACITY's note
 def heads_product(rows: int, k: int, heads: int, dim: int, *, add: bool = False) -> Primitive:
     """bf16 x [rows, k] times bf16 w [heads, k, dim] -> float32 [heads, rows, dim], float32
     accumulation: one oneDNN matmul primitive, batched over the heads with x broadcast (called
