@@ -10,6 +10,7 @@ bf16 modes."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import numpy as np
@@ -125,6 +126,87 @@ def test_bf16_heads_product_and_residual_adds() -> None:
     tail = paddle.to_tensor(acc[-16:])
     mm.add_linear(tail, paddle.to_tensor(x[-16:]), wo)
     assert np.array_equal(np.from_dlpack(tail), got[-16:])
+
+
+@needs_bf16
+def test_extended_products_carry_their_channels_to_float32() -> None:
+    """An extended weight (`Products.extended`: its last s inputs repeat channels `cols`)
+    multiplies x's bf16 rounding plus those channels' rest: the f64 sum of exactly that, rows
+    bitwise at any row count, in `linear`, `add_linear`, `swiglu_linear`'s planes and
+    `project`; and a channel that carries x's outsized values brings the product near float32."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((300, 96)).astype(np.float32)
+    x[:, 5] *= 300.0  # an outlier channel, as an LLM's residual stream has
+    cols = np.array([5, 17, 40, 81], np.int64)
+    bits = _bf16_bits(x)
+    lo = _widen(_bf16_bits(x[:, cols] - _widen(bits[:, cols])))
+    xe = np.concatenate([_widen(bits), lo], axis=1).astype(np.float64)  # what the product reads
+    mm = gemm.Products("cpu", 1, None)
+    ext = mm._cast.extend(paddle.to_tensor(x), cols)
+    got_bits = np.ctypeslib.as_array(ctypes.cast(ext, ctypes.POINTER(ctypes.c_uint16)), (300, 100))
+    assert np.array_equal(got_bits[:, :96], bits) and np.array_equal(_widen(got_bits[:, 96:]), lo)
+    w = rng.standard_normal((64, 96)).astype(np.float32)
+    wb = paddle.to_tensor(np.concatenate([w, w[:, cols]], axis=1)).astype("bfloat16")
+    mm.extended[int(wb.data_ptr())] = cols
+    assert mm.in_features(wb) == 96 and mm.extra_inputs(wb) == 4
+    we = _widen(_bf16_bits(np.concatenate([w, w[:, cols]], axis=1))).astype(np.float64)
+    want = xe @ we.T
+    whole = np.from_dlpack(mm.linear(paddle.to_tensor(x), wb))
+    assert np.abs(whole - want).max() <= 1e-5 * np.abs(want).max()
+    exact = x.astype(np.float64) @ we[:, :96].T
+    plain = _widen(bits).astype(np.float64) @ we[:, :96].T
+    assert np.abs(whole - exact).max() < 0.1 * np.abs(plain - exact).max()
+    for m in (16, 17, 33, 299):  # the runner's products have at least 16 rows (paddle.rows)
+        part = mm.linear(paddle.to_tensor(x[-m:]), wb)
+        assert np.array_equal(np.from_dlpack(part), whole[-m:]), m
+    acc = rng.standard_normal((300, 64)).astype(np.float32)
+    into = paddle.to_tensor(acc)
+    mm.add_linear(into, paddle.to_tensor(x), wb)
+    assert np.abs(np.from_dlpack(into) - (acc + want)).max() <= 1e-5 * np.abs(want).max()
+    act = np.from_dlpack(mm.swiglu_linear(paddle.to_tensor(x), wb))  # gate | up halves of wb
+    gate, up = want[:, :32], want[:, 32:]
+    silu_up = gate * 0.5 * (1 + np.tanh(gate / 2)) * up
+    assert np.abs(act - silu_up).max() <= 1e-4 * np.abs(silu_up).max()
+    h = rng.standard_normal((3, 96, 40)).astype(np.float32)
+    hb = paddle.to_tensor(np.concatenate([h, h[:, cols]], axis=1)).astype("bfloat16")
+    mm.extended[int(hb.data_ptr())] = cols
+    assert mm.in_features(hb, heads=True) == 96
+    he = _widen(_bf16_bits(np.concatenate([h, h[:, cols]], axis=1))).astype(np.float64)
+    heads = np.from_dlpack(mm.project(paddle.to_tensor(x), hb))
+    want_h = np.einsum("rk,hkd->hrd", xe, he)
+    assert np.abs(heads - want_h).max() <= 1e-5 * np.abs(want_h).max()
+    for m in (16, 17, 100):
+        part = mm.project(paddle.to_tensor(x[-m:]), hb)
+        assert np.array_equal(np.from_dlpack(part), heads[:, -m:]), m
+
+
+@needs_bf16
+def test_a_bf16_runner_extends_its_products_by_calibration() -> None:
+    """A bf16 runner alone picks each dense product's `LO_CHANNELS` channels as it starts (no
+    first-layer bf16x2 left), the same ones on every start (a seeded prompt), and answers
+    closer to float32 than with bf16x2 on no product at all."""
+    from aioprefill.workers.paddle.lo_channels import LO_CHANNELS
+
+    a, b = runner("bfloat16"), PaddleRunner(small(dtype="bfloat16", seed=5))
+    assert a._x2 == (0, 0) and len(a._mm.extended) == 4 * len(a._layers)
+    for w in a._mm.extended.values():
+        assert len(w) == LO_CHANNELS
+    assert [c.tolist() for c in a._mm.extended.values()] == [
+        c.tolist() for c in b._mm.extended.values()
+    ]
+    f32 = runner("float32")
+    ids = prompts(np.random.default_rng(4), [40, 25], f32.spec.vocab_size)
+    batch = with_options(make_batch(ids, [0, 1]), [ALL, ALL], [0, 0])
+    want = f32.forward(batch).prompt_logprobs
+    plain = PaddleRunner(small(dtype="bfloat16", seed=5))
+    plain._mm.extended.clear()  # the same weights' first k inputs: x rounded only
+    for layer in plain._layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(layer, name)
+            setattr(layer, name, w[:, : w.shape[1] - LO_CHANNELS].clone())
+    got = np.abs(a.forward(batch).prompt_logprobs - want).mean()
+    rounded = np.abs(plain.forward(batch).prompt_logprobs - want).mean()
+    assert got < rounded
 
 
 def test_slots_and_exports_round_to_nearest_even() -> None:

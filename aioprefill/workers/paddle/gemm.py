@@ -28,9 +28,11 @@ batch-invariant from 2 rows (measured for SmolLM2's shapes at 1 and 2 threads wh
 issue 35; `paddle.rows` checks it at start, the tests bitwise), so the tiles and the row floor
 hold as for sgemm. `project` (q/k/v) runs every head in one matmul primitive instead
 (`paddle.onednn.heads_product`), except in tiles. `per_head` (attention) stays float32. With
-`split=True` (the runner's first layers: `paddle.runner._BF16X2_LAYERS`) x goes as bf16x2, hi =
-bf16(x) and lo = bf16(x - hi), in two products into the same output (the second adds): x's
-rounding error drops from 2^-9 to ~2^-17 of each value at twice that product's cost.
+`split=True` x goes as bf16x2, hi = bf16(x) and lo = bf16(x - hi), in two products into the
+same output (the second adds): x's rounding error drops from 2^-9 to ~2^-17 of each value at
+twice that product's cost (the runner's first layers where `paddle.lo_channels` does not apply).
+An `extended` weight ([.., k + s]: its last s inputs repeat s of its channels) takes x's bf16
+rounding and those channels' rest in one product over k + s inputs (`paddle.lo_channels`).
 `add_linear` (a residual connection) adds a bf16 product into its float32 sum
 in place (beta=1 on every pass).
 
@@ -43,6 +45,7 @@ with the product's row count (within the tests' 1e-5).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import paddle
@@ -93,10 +96,21 @@ class Products:
             set_openmp_threads(threads)
         self._tile = tile_rows
         self.in_out = in_out
+        # bf16 weights laid out [.., k + s] whose last s inputs repeat inputs `cols` (by the
+        # weight's address): x goes as its bf16 rounding plus those channels' rest (`lo_channels`)
+        self.extended: dict[int, np.ndarray] = {}
+        self.observe: Callable[[paddle.Tensor, paddle.Tensor], None] | None = None  # bf16x2 x, w
 
-    def in_features(self, w: paddle.Tensor) -> int:
-        """A linear layer's input width, from its weight as this worker lays it out."""
-        return int(w.shape[0] if self.in_out else w.shape[1])
+    def in_features(self, w: paddle.Tensor, *, heads: bool = False) -> int:
+        """A linear layer's input width, from its weight as this worker lays it out (`heads`:
+        `project`'s [heads, k, dim])."""
+        k = w.shape[1] if heads or not self.in_out else w.shape[0]
+        return int(k) - self.extra_inputs(w)
+
+    def extra_inputs(self, w: paddle.Tensor) -> int:
+        """How many repeated input channels an extended weight carries (0: none)."""
+        cols = self.extended.get(int(w.data_ptr())) if w.dtype == paddle.bfloat16 else None
+        return 0 if cols is None else len(cols)
 
     @property
     def tile_rows(self) -> int | None:
@@ -115,17 +129,24 @@ class Products:
 
     def _gemm(
         self, x: paddle.Tensor, w: paddle.Tensor, split: bool
-    ) -> tuple[ctypes._CFuncPtr, list[tuple[int, float]], int, int]:  # type: ignore[name-defined]
-        """(gemm, passes, x's and w's element sizes): a pass is (x's address, beta). x rounded
-        to bf16 for a bf16 w: one pass, or with `split` two (hi, then lo added: bf16x2)."""
+    ) -> tuple[ctypes._CFuncPtr, list[tuple[int, float]], int, int, int]:  # type: ignore[name-defined]
+        """(gemm, passes, x's and w's element sizes, the product's inner size): a pass is (x's
+        address, beta). x rounded to bf16 for a bf16 w: one pass, or with `split` two (hi, then
+        lo added: bf16x2), or for an `extended` w one pass on x's extended rows."""
+        k = int(x.shape[1])
         if w.dtype == paddle.bfloat16:
             assert self._bgemm is not None
+            cols = self.extended.get(int(w.data_ptr()))
+            if cols is not None:
+                return self._bgemm, [(self._cast.extend(x, cols), 0.0)], _BF16, _BF16, k + len(cols)
             if split:
+                if self.observe is not None:
+                    self.observe(x, w)
                 hi, lo = self._cast.split(x)
-                return self._bgemm, [(hi, 0.0), (lo, 1.0)], _BF16, _BF16
-            return self._bgemm, [(self._cast(x), 0.0)], _BF16, _BF16
+                return self._bgemm, [(hi, 0.0), (lo, 1.0)], _BF16, _BF16, k
+            return self._bgemm, [(self._cast(x), 0.0)], _BF16, _BF16, k
         assert self._sgemm is not None
-        return self._sgemm, [(x.data_ptr(), 0.0)], _FLOAT, _FLOAT
+        return self._sgemm, [(x.data_ptr(), 0.0)], _FLOAT, _FLOAT, k
 
     def product(self, x: paddle.Tensor, w: paddle.Tensor, *, split: bool = False) -> paddle.Tensor:
         """[rows, k] x [n, k] -> [rows, n] = x @ w.T, as one product. `split` (a bf16 w): x as
@@ -193,7 +214,7 @@ class Products:
         out = paddle.empty([rows, n], dtype=x.dtype)
         if rows == 0:
             return out
-        gemm, passes, xs, ws = self._gemm(x, w, split)
+        gemm, passes, xs, ws, k = self._gemm(x, w, split)
         wp, pp, step = w.data_ptr(), planes.data_ptr(), self._tile or rows
         for lo in range(0, rows, step):
             m = min(step, rows - lo)
@@ -220,11 +241,11 @@ class Products:
             return out
         if w.dtype == paddle.bfloat16 and tile is None and dnnl() is not None:
             # every head of every row in one primitive call; bf16x2: lo's added by a second
-            inputs = self._cast.split(x) if split else (self._cast(x),)
-            for i, addr in enumerate(inputs):
+            _, passes, _, _, k = self._gemm(x, w, split)
+            for i, (addr, _) in enumerate(passes):
                 heads_product(rows, k, heads, dim, add=i > 0)(addr, w.data_ptr(), out.data_ptr())
             return out
-        sgemm, passes, xs, ws = self._gemm(x, w, split)
+        sgemm, passes, xs, ws, k = self._gemm(x, w, split)
         wp, op = w.data_ptr(), out.data_ptr()
         # One product per head writes its [block, dim] part of the output in place: the
         # heads-major layout attention reads, with no transpose. Row blocks outside, heads
@@ -289,7 +310,7 @@ class Products:
         out = paddle.empty([rows, n], dtype=x.dtype) if add_to is None else add_to
         if rows == 0:
             return out
-        sgemm, passes, xs, _ = self._gemm(x, w, split)
+        sgemm, passes, xs, _, k = self._gemm(x, w, split)
         if add_to is not None:
             passes = [(xp, 1.0) for xp, _ in passes]
         wp, op = w.data_ptr(), out.data_ptr()

@@ -145,6 +145,24 @@ class Bf16Cast:
         np.subtract(u.view(np.float32), rest, out=rest)  # exact: x - hi
         return int(hi.ctypes.data), int(self._round(r32, "lo").ctypes.data)
 
+    def extend(self, x: paddle.Tensor, cols: np.ndarray) -> int:
+        """The address of x's extended rows, bf16 [rows, k + s]: x rounded (the bits `__call__`
+        gives), then the rest of its channels `cols` (x - hi, rounded: bf16x2 on s channels)."""
+        v = np.from_dlpack(x)
+        rows, k = v.shape
+        s = len(cols)
+        out = self._buf("ext", rows * (k + s), np.uint16).reshape(rows, k + s)
+        if rows == 0:
+            return int(out.ctypes.data)
+        _to_bf16_rows(rows, k, k + s)(v.ctypes.data, out.ctypes.data)
+        picked = self._buf("picked", rows * s, np.float32).reshape(rows, s)
+        np.take(v, cols, axis=1, out=picked)
+        hi = self._round(picked.reshape(-1).view(np.uint32), "picked_hi").astype(np.uint32)
+        np.left_shift(hi, 16, out=hi)
+        np.subtract(picked.reshape(-1), hi.view(np.float32), out=picked.reshape(-1))  # exact
+        out[:, k:] = self._round(picked.reshape(-1).view(np.uint32), "picked_lo").reshape(rows, s)
+        return int(out.ctypes.data)
+
 
 @functools.lru_cache(maxsize=64)
 def _to_bf16(n: int) -> Primitive:
@@ -152,6 +170,12 @@ def _to_bf16(n: int) -> Primitive:
     passes above (checked on SmolLM2's activations and on ties; tests/model/test_bf16.py), one
     read and one write (2,240 x 576: 0.13 against 0.64 ms, 1 thread, AMD Zen 4)."""
     return reorder_primitive(memory_desc([n], F32), memory_desc([n], BF16))
+
+
+@functools.lru_cache(maxsize=64)
+def _to_bf16_rows(rows: int, k: int, stride: int) -> Primitive:
+    """float32 [rows, k] -> bfloat16 rows `stride` elements apart (`Bf16Cast.extend`)."""
+    return reorder_primitive(memory_desc([rows, k], F32), memory_desc([rows, k], BF16, [stride, 1]))
 
 
 @functools.lru_cache(maxsize=32)  # ~0.27 MB of JIT code each: dnnl._CACHE_CAPACITY's note

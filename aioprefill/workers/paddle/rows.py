@@ -59,7 +59,7 @@ def row_floor(
     some moved at 64 rows or more), and the row counts at which each product's rows moved."""
     Check = tuple[str, Callable[..., paddle.Tensor], paddle.Tensor, int, tuple[int, ...], int]
     checks: list[Check] = [
-        ("qkv", mm.project, layer.qkv, layer.qkv.shape[1], _SIZES, _BIG),
+        ("qkv", mm.project, layer.qkv, mm.in_features(layer.qkv, heads=True), _SIZES, _BIG),
         ("o", mm.linear, layer.o, mm.in_features(layer.o), _SIZES, _BIG),
     ]
     for name in ("gate_up", "down"):

@@ -66,6 +66,7 @@ from aioprefill.workers.paddle.checks import check_batch  # noqa: E402
 from aioprefill.workers.paddle.gemm import Products, weights_in_out  # noqa: E402
 from aioprefill.workers.paddle.head import OutputHead  # noqa: E402
 from aioprefill.workers.paddle.last_rows import last_rows_only, put_rows, take_rows  # noqa: E402
+from aioprefill.workers.paddle.lo_channels import extend_runner  # noqa: E402
 from aioprefill.workers.paddle.norm import rms_norm_for  # noqa: E402
 from aioprefill.workers.paddle.onednn import cpu_bf16  # noqa: E402
 from aioprefill.workers.paddle.ops import Rope, round_bf16_  # noqa: E402
@@ -84,12 +85,9 @@ _TILE_ROWS = 64
 _HEAD_TILE_ROWS = 16
 # ... and attention runs queries in tiles of this many absolute positions (paddle.attention).
 _ATTN_TILE = 64
-_BF16X2_LAYERS = 1  # bf16 on a CPU: this many first layers' products on bf16x2 (Products split)
-# ... and this many first layers' q/k/v: their inputs' rounding is the largest share of the
-# bf16 error (SmolLM2 64 x 280, prompt logprob p99 against float64: 0.074 with layer 0 alone,
-# 0.069 with these, 0.061 with every layer's q/k/v: docs/performance.md, "Session 12"); ~1.3%
-# of a forward's CPU by its parts (1 ms of casts + a 13 ms product a layer), 3% in one A/B.
-_BF16X2_QKV_LAYERS = 4
+# bf16 on a CPU: bf16x2 on each product's heaviest input channels (`lo_channels`), or where it
+# cannot (MoE) on this many first layers' products and this many first layers' q/k/v
+_BF16X2_LAYERS, _BF16X2_QKV_LAYERS = 1, 4
 
 
 def _pick_device(spec: PaddleModel, worker_index: int, grouped: bool = False) -> str:
@@ -190,6 +188,9 @@ class PaddleRunner:
             self._store = BlockStore(self.cache_blocks, **shape, kv_dtype=spec.dtype)
         self.cache_slots = self._store  # what the KV store tier loads into (workers.store_hook)
         self._exports = KVWriters()  # KV exports the running forward writes
+        self._x2 = (_BF16X2_LAYERS, _BF16X2_QKV_LAYERS) if self._bf16 else (0, 0)
+        if self._bf16 and self._shard.ep_size == 1 and all(b.moe is None for b in self._layers):
+            self._x2 = extend_runner(self, weights.lm_head)
 
     # ------------------------------------------------------------------ public interface
 
@@ -235,7 +236,7 @@ class PaddleRunner:
         check_batch(batch, self.spec, self._store, self._cache)
 
     def _linear(self, x: paddle.Tensor, w: paddle.Tensor, split: bool = False) -> paddle.Tensor:
-        """x @ w.T (tiled: `_TILE_ROWS` rows at a time); `split`: bf16x2 (`_BF16X2_LAYERS`)."""
+        """x @ w.T (tiled: `_TILE_ROWS` rows at a time); `split`: bf16x2 (`self._x2`)."""
         return self._mm.linear(x, w, split=split)
 
     def _project(self, x: paddle.Tensor, w: paddle.Tensor, split: bool = False) -> paddle.Tensor:
@@ -294,10 +295,9 @@ class PaddleRunner:
         exports = self._exports = open_writers(batch, kv_layout(spec), self._kv_share)
         eps, rms_norm = spec.rms_norm_eps, self._rms_norm
         for index, layer in enumerate(self._layers):
-            split = self._bf16 and index < _BF16X2_LAYERS
+            split = index < self._x2[0]
             h = rms_norm(x, layer.in_norm, eps)
-            # [heads + 2 * kv_heads, rows, dim]
-            qkv = self._project(h, layer.qkv, self._bf16 and index < _BF16X2_QKV_LAYERS)
+            qkv = self._project(h, layer.qkv, index < self._x2[1])  # [heads + 2 kv_heads, rows, d]
             if layer.qkv_bias is not None:
                 # Spread over the rows by a rank-1 product, then an equal-shape add: paddle's CPU
                 # broadcast add cost 8x more (0.1 vs 0.015 ms over 16 rows, 13 vs 10 at 2048).

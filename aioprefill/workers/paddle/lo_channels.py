@@ -1,0 +1,142 @@
+"""bfloat16 on a CPU: each product's input carried to ~float32 on the few channels that hold most
+of its rounding error, at ~1/36 of a product's cost.
+
+A bf16 product rounds its float32 input x to bf16 (2^-9 of each value). bf16x2 (`Products`'s
+`split`: x = hi + lo, both bf16, two products) carries x to ~2^-17 at twice the cost, so it was
+spent on the first layers only. But the rounding error of a product, sum_i (x_i - hi_i) w_i, comes
+mostly from a few input channels: an LLM's residual stream carries a few channels of outsized
+values (SmolLM2's q/k/v inputs: 8 of 576 channels hold 56-79% of the rounding error's energy),
+the same channels for every prompt. So each product's weight gets s more input rows that repeat
+its s heaviest channels, and x gets, beside its bf16 rounding, those channels' rest rounded to
+bf16: one product over k + s inputs (`Products.extended`, `Bf16Cast.extend`) instead of two over
+k. The channels are picked once as the worker starts: one forward of a fixed seeded prompt with
+every product on bf16x2, each input channel ranked by its energy (sum of x_i^2) times its weight
+column's (sum_j w_ij^2).
+
+Measured (SmolLM2-135M, the 64 x 280 prompts of benchmarks/bench_bf16.py against float64; the
+channels picked on another seeded prompt): s = 16 on every product of every layer costs 2.3% more
+product FLOPs, against 4.9% for what it replaces (bf16x2 on layer 0 and on q/k/v of layers 1-3),
+and is closer on every statistic: next-token |d| mean 0.0103 vs 0.0127, p90 0.022 vs 0.026, max
+0.039 vs 0.036 (the noisiest), prompt p99 0.058 vs 0.069; on real12 next max 0.017 vs 0.033. s = 8:
+max 0.058. The channels from the weights alone (no calibration) were worse than no correction.
+
+Under TP each rank picks among its own inputs (a row-parallel product's shard of them) by its
+own share of the calibration forward, which the ranks run together as they start. Not with a
+mixture of experts (the expert products are not `Products`' and an EP group steps in lockstep),
+nor where the extended products' rows move with the row count (`paddle.rows`' check, rerun on
+them): the runner keeps bf16x2 on its first layers there, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import paddle
+
+from aioprefill.models import PaddleModel
+from aioprefill.wire import protocol
+from aioprefill.workers.paddle.gemm import Products
+from aioprefill.workers.paddle.rows import row_floor
+from aioprefill.workers.paddle.weights import Layer
+from aioprefill.workers.runner import ForwardBatch
+
+__all__ = ["LO_CHANNELS", "extend_layers", "extend_runner"]
+
+LO_CHANNELS = 16  # s: input channels per product carried to ~float32
+_CALIBRATION_TOKENS = 256
+_SEED = 7
+_PRODUCTS = ("qkv", "o", "gate_up", "down")
+
+
+class _Runner(Protocol):
+    """What `extend_runner` reads and sets of a `paddle.runner.PaddleRunner`."""
+
+    spec: PaddleModel
+    _mm: Products
+    _layers: list[Layer]
+    _tiled: bool
+    _floor: int
+    _x2: tuple[int, int]
+
+    def forward(self, batch: ForwardBatch) -> object: ...
+
+log = logging.getLogger("aioprefill.worker")
+
+
+def calibration_batch(vocab_size: int) -> ForwardBatch:
+    """One prompt of seeded random ids, every row's outputs asked for (every layer on every row)."""
+    ids = np.random.default_rng(_SEED).integers(0, vocab_size, _CALIBRATION_TOKENS, np.int32)
+    return ForwardBatch(
+        np.array([-1], np.int64), np.array([0, len(ids)], np.int32), ids,
+        np.zeros(1, np.int32), np.ones(1, bool),
+        options=np.full(1, protocol.OPT_PROMPT_LOGPROBS, np.uint8),
+    )  # fmt: skip
+
+
+def _column_energy(w: paddle.Tensor) -> np.ndarray:
+    """sum_j w_ij^2 for each input channel i of a bf16 weight ([n, k] or [heads, k, dim])."""
+    a = w.astype(paddle.float32).numpy().astype(np.float64) ** 2
+    return a.sum(axis=(0, 2)) if a.ndim == 3 else a.sum(axis=0)
+
+
+def extend_layers(
+    mm: Products, layers: list[Layer], forward: Callable[[ForwardBatch], object],
+    vocab_size: int, check: Callable[[], bool],
+) -> bool:  # fmt: skip
+    """Picks each dense product's `LO_CHANNELS` channels by `forward` on `calibration_batch`
+    (the caller runs every product on bf16x2 during it), then extends the layers' weights in
+    place and registers them in `mm.extended`. `check()` then says whether the extended
+    products keep their rows' bits; if not, the weights are put back. Returns whether it did."""
+    energy: dict[int, np.ndarray] = {}
+
+    def observe(x: paddle.Tensor, w: paddle.Tensor) -> None:
+        e = (np.from_dlpack(x).astype(np.float64) ** 2).sum(axis=0)
+        key = int(w.data_ptr())
+        energy[key] = energy.get(key, 0.0) + e
+
+    mm.observe = observe
+    try:
+        forward(calibration_batch(vocab_size))
+    finally:
+        mm.observe = None
+    before = [{n: getattr(layer, n) for n in _PRODUCTS} for layer in layers]
+    for layer, old in zip(layers, before, strict=True):
+        for name, w in old.items():
+            e = energy.get(int(w.data_ptr()))
+            if e is None:  # never ran on bf16x2: not a product of this forward
+                continue
+            score = e * _column_energy(w)
+            cols = np.sort(np.argsort(-score, kind="stable")[:LO_CHANNELS])
+            extra = paddle.index_select(w, paddle.to_tensor(cols), axis=1)
+            wide = paddle.concat([w, extra], axis=1)
+            setattr(layer, name, wide)
+            mm.extended[int(wide.data_ptr())] = cols
+    if check():
+        return True
+    mm.extended.clear()
+    for layer, old in zip(layers, before, strict=True):
+        for name, w in old.items():
+            setattr(layer, name, w)
+    log.warning("bf16: the extended products' rows move with the row count: bf16x2 as before")
+    return False
+
+
+def extend_runner(runner: _Runner, lm_head: paddle.Tensor) -> tuple[int, int]:
+    """`extend_layers` on a bf16 `PaddleRunner` without experts as it starts: its forward
+    on bf16x2 everywhere for the calibration, the check its default mode's row floor. Returns
+    the (layers, q/k/v layers) on bf16x2 from then on: none, or its first ones as before."""
+    before = runner._x2
+    runner._x2 = (len(runner._layers),) * 2
+    mm, first = runner._mm, runner._layers[0]
+
+    def same_rows() -> bool:
+        return runner._tiled or row_floor(mm, first, lm_head)[0] == runner._floor
+
+    try:
+        done = extend_layers(mm, runner._layers, runner.forward, runner.spec.vocab_size, same_rows)
+    finally:
+        runner._x2 = before
+    return (0, 0) if done else before
