@@ -67,12 +67,13 @@ log = logging.getLogger("aioprefill.worker")
 
 
 def calibration_batch(vocab_size: int) -> ForwardBatch:
-    """One prompt of seeded random ids, every row's outputs asked for (every layer on every row)."""
+    """One prompt of seeded random ids; mean pooling keeps every layer on every row (no last-row
+    trim) without the head's product over every row."""
     ids = np.random.default_rng(_SEED).integers(0, vocab_size, _CALIBRATION_TOKENS, np.int32)
     return ForwardBatch(
         np.array([-1], np.int64), np.array([0, len(ids)], np.int32), ids,
         np.zeros(1, np.int32), np.ones(1, bool),
-        options=np.full(1, protocol.OPT_PROMPT_LOGPROBS, np.uint8),
+        options=np.full(1, protocol.OPT_EMBED_MEAN, np.uint8),
     )  # fmt: skip
 
 
@@ -133,7 +134,7 @@ def extend_runner(runner: _Runner, lm_head: paddle.Tensor) -> tuple[int, int]:
     mm, first = runner._mm, runner._layers[0]
 
     def same_rows() -> bool:
-        return runner._tiled or row_floor(mm, first, lm_head)[0] == runner._floor
+        return runner._tiled or row_floor(mm, first, lm_head, head=False)[0] == runner._floor
 
     try:
         done = extend_layers(mm, runner._layers, runner.forward, runner.spec.vocab_size, same_rows)

@@ -53,10 +53,11 @@ log = logging.getLogger("aioprefill.worker")
 
 
 def row_floor(
-    mm: Products, layer: Layer, lm_head: paddle.Tensor
+    mm: Products, layer: Layer, lm_head: paddle.Tensor, *, head: bool = True
 ) -> tuple[int | None, dict[str, list[int]]]:
     """The smallest of `_FLOORS` from which no product's rows moved with the row count (None:
-    some moved at 64 rows or more), and the row counts at which each product's rows moved."""
+    some moved at 64 rows or more), and the row counts at which each product's rows moved.
+    `head=False`: the layer's products only."""
     Check = tuple[str, Callable[..., paddle.Tensor], paddle.Tensor, int, tuple[int, ...], int]
     checks: list[Check] = [
         ("qkv", mm.project, layer.qkv, mm.in_features(layer.qkv, heads=True), _SIZES, _BIG),
@@ -67,10 +68,11 @@ def row_floor(
         if w is not None:  # None: a mixture of experts
             product = mm.swiglu_linear if name == "gate_up" else mm.linear  # as the forward
             checks.append((name, product, w, mm.in_features(w), _SIZES, _BIG))
-    head = lm_head[:VOCAB_CHUNK] if lm_head.place.is_cpu_place() else lm_head  # as head_rows
-    checks.append(("head", mm.product, head, lm_head.shape[1], _HEAD_SIZES, HEAD_ROWS))
-    if mm.uses_onednn and lm_head.dtype == paddle.float32:  # the last rows' (`product_few`)
-        checks.append(("head_last", mm.product_few, head, lm_head.shape[1], _LAST_SIZES, 256))
+    top = lm_head[:VOCAB_CHUNK] if lm_head.place.is_cpu_place() else lm_head  # as head_rows
+    if head:
+        checks.append(("head", mm.product, top, lm_head.shape[1], _HEAD_SIZES, HEAD_ROWS))
+    if head and mm.uses_onednn and lm_head.dtype == paddle.float32:  # last rows: `product_few`
+        checks.append(("head_last", mm.product_few, top, lm_head.shape[1], _LAST_SIZES, 256))
     rng = np.random.default_rng(0)
     moved: dict[str, list[int]] = {}
     for name, product, w, k, counts, big in checks:
