@@ -24,6 +24,7 @@ from aioprefill.workers.paddle import gemm, onednn
 from aioprefill.workers.paddle.attention import _copy_kv
 from aioprefill.workers.paddle.head import host
 from aioprefill.workers.paddle.last_rows import last_rows_only
+from aioprefill.workers.paddle.lo_channels import LO_CHANNELS
 from aioprefill.workers.paddle.ops import round_bf16_
 from aioprefill.workers.paddle.runner import PaddleRunner
 from aioprefill.workers.prefix_blocks import BlockStore, bf16_bits
@@ -185,8 +186,6 @@ def test_a_bf16_runner_extends_its_products_by_calibration() -> None:
     """A bf16 runner alone picks each dense product's `LO_CHANNELS` channels as it starts (no
     first-layer bf16x2 left), the same ones on every start (a seeded prompt), and answers
     closer to float32 than with bf16x2 on no product at all."""
-    from aioprefill.workers.paddle.lo_channels import LO_CHANNELS
-
     a, b = runner("bfloat16"), PaddleRunner(small(dtype="bfloat16", seed=5))
     assert a._x2 == (0, 0) and len(a._mm.extended) == 4 * len(a._layers)
     for w in a._mm.extended.values():

@@ -30,7 +30,6 @@ them): the runner keeps bf16x2 on its first layers there, as before.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -43,7 +42,7 @@ from aioprefill.workers.paddle.rows import row_floor
 from aioprefill.workers.paddle.weights import Layer
 from aioprefill.workers.runner import ForwardBatch
 
-__all__ = ["LO_CHANNELS", "extend_layers", "extend_runner"]
+__all__ = ["LO_CHANNELS", "calibration_batch", "extend_runner"]
 
 LO_CHANNELS = 16  # s: input channels per product carried to ~float32
 _CALIBRATION_TOKENS = 256
@@ -62,6 +61,7 @@ class _Runner(Protocol):
     _x2: tuple[int, int]
 
     def forward(self, batch: ForwardBatch) -> object: ...
+
 
 log = logging.getLogger("aioprefill.worker")
 
@@ -83,14 +83,14 @@ def _column_energy(w: paddle.Tensor) -> np.ndarray:
     return a.sum(axis=(0, 2)) if a.ndim == 3 else a.sum(axis=0)
 
 
-def extend_layers(
-    mm: Products, layers: list[Layer], forward: Callable[[ForwardBatch], object],
-    vocab_size: int, check: Callable[[], bool],
-) -> bool:  # fmt: skip
-    """Picks each dense product's `LO_CHANNELS` channels by `forward` on `calibration_batch`
-    (the caller runs every product on bf16x2 during it), then extends the layers' weights in
-    place and registers them in `mm.extended`. `check()` then says whether the extended
-    products keep their rows' bits; if not, the weights are put back. Returns whether it did."""
+def extend_runner(runner: _Runner, lm_head: paddle.Tensor) -> tuple[int, int]:
+    """Extends a bf16 `PaddleRunner`'s dense products as it starts: picks each one's
+    `LO_CHANNELS` channels by its forward of `calibration_batch` with every product on bf16x2,
+    extends the layers' weights in place and registers them in its `Products.extended`; puts
+    the weights back where the extended products' rows move with the row count (its default
+    mode's floor, `rows.row_floor`). Returns the (layers, q/k/v layers) on bf16x2 from then on:
+    none, or its first ones as before."""
+    mm, layers, before = runner._mm, runner._layers, runner._x2
     energy: dict[int, np.ndarray] = {}
 
     def observe(x: paddle.Tensor, w: paddle.Tensor) -> None:
@@ -98,14 +98,14 @@ def extend_layers(
         key = int(w.data_ptr())
         energy[key] = energy.get(key, 0.0) + e
 
-    mm.observe = observe
+    runner._x2, mm.observe = (len(layers),) * 2, observe
     try:
-        forward(calibration_batch(vocab_size))
+        runner.forward(calibration_batch(runner.spec.vocab_size))
     finally:
-        mm.observe = None
-    before = [{n: getattr(layer, n) for n in _PRODUCTS} for layer in layers]
-    for layer, old in zip(layers, before, strict=True):
-        for name, w in old.items():
+        runner._x2, mm.observe = before, None
+    old = [{n: getattr(layer, n) for n in _PRODUCTS} for layer in layers]
+    for layer, weights in zip(layers, old, strict=True):
+        for name, w in weights.items():
             e = energy.get(int(w.data_ptr()))
             if e is None:  # never ran on bf16x2: not a product of this forward
                 continue
@@ -115,29 +115,11 @@ def extend_layers(
             wide = paddle.concat([w, extra], axis=1)
             setattr(layer, name, wide)
             mm.extended[int(wide.data_ptr())] = cols
-    if check():
-        return True
+    if runner._tiled or row_floor(mm, layers[0], lm_head, head=False)[0] == runner._floor:
+        return (0, 0)
     mm.extended.clear()
-    for layer, old in zip(layers, before, strict=True):
-        for name, w in old.items():
+    for layer, weights in zip(layers, old, strict=True):
+        for name, w in weights.items():
             setattr(layer, name, w)
     log.warning("bf16: the extended products' rows move with the row count: bf16x2 as before")
-    return False
-
-
-def extend_runner(runner: _Runner, lm_head: paddle.Tensor) -> tuple[int, int]:
-    """`extend_layers` on a bf16 `PaddleRunner` without experts as it starts: its forward
-    on bf16x2 everywhere for the calibration, the check its default mode's row floor. Returns
-    the (layers, q/k/v layers) on bf16x2 from then on: none, or its first ones as before."""
-    before = runner._x2
-    runner._x2 = (len(runner._layers),) * 2
-    mm, first = runner._mm, runner._layers[0]
-
-    def same_rows() -> bool:
-        return runner._tiled or row_floor(mm, first, lm_head, head=False)[0] == runner._floor
-
-    try:
-        done = extend_layers(mm, runner._layers, runner.forward, runner.spec.vocab_size, same_rows)
-    finally:
-        runner._x2 = before
-    return (0, 0) if done else before
+    return before

@@ -136,14 +136,8 @@ class Bf16Cast:
 
     def split(self, x: paddle.Tensor) -> tuple[int, int]:
         """The addresses of hi's and lo's bf16 bits (valid until the next call)."""
-        u = np.from_dlpack(x).reshape(-1).view(np.uint32)
-        hi = self._round(u, "hi")
-        rest = self._buf("rest", u.size, np.float32)
-        r32 = rest.view(np.uint32)
-        np.copyto(r32, hi)
-        np.left_shift(r32, 16, out=r32)  # hi's values
-        np.subtract(u.view(np.float32), rest, out=rest)  # exact: x - hi
-        return int(hi.ctypes.data), int(self._round(r32, "lo").ctypes.data)
+        hi, lo = self._hi_lo(np.from_dlpack(x).reshape(-1).view(np.uint32), "")
+        return int(hi.ctypes.data), int(lo.ctypes.data)
 
     def extend(self, x: paddle.Tensor, cols: np.ndarray) -> int:
         """The address of x's extended rows, bf16 [rows, k + s]: x rounded (the bits `__call__`
@@ -154,14 +148,26 @@ class Bf16Cast:
         out = self._buf("ext", rows * (k + s), np.uint16).reshape(rows, k + s)
         if rows == 0:
             return int(out.ctypes.data)
-        _to_bf16_rows(rows, k, k + s)(v.ctypes.data, out.ctypes.data)
+        if dnnl() is not None:  # rounded straight into the rows, `stride` apart
+            _to_bf16_rows(rows, k, k + s)(v.ctypes.data, out.ctypes.data)
+        else:
+            out[:, :k] = self._round(v.reshape(-1).view(np.uint32), "hi").reshape(rows, k)
         picked = self._buf("picked", rows * s, np.float32).reshape(rows, s)
         np.take(v, cols, axis=1, out=picked)
-        hi = self._round(picked.reshape(-1).view(np.uint32), "picked_hi").astype(np.uint32)
-        np.left_shift(hi, 16, out=hi)
-        np.subtract(picked.reshape(-1), hi.view(np.float32), out=picked.reshape(-1))  # exact
-        out[:, k:] = self._round(picked.reshape(-1).view(np.uint32), "picked_lo").reshape(rows, s)
+        _, lo = self._hi_lo(picked.reshape(-1).view(np.uint32), "picked_")
+        out[:, k:] = lo.reshape(rows, s)
         return int(out.ctypes.data)
+
+    def _hi_lo(self, u: np.ndarray, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+        """float32 bits `u` -> (hi, lo) bf16 bits, hi = bf16(x), lo = bf16(x - hi), in the
+        buffers named `prefix` + hi / lo / rest."""
+        hi = self._round(u, prefix + "hi")
+        rest = self._buf(prefix + "rest", u.size, np.float32)
+        r32 = rest.view(np.uint32)
+        np.copyto(r32, hi)
+        np.left_shift(r32, 16, out=r32)  # hi's values
+        np.subtract(u.view(np.float32), rest, out=rest)  # exact: x - hi
+        return hi, self._round(r32, prefix + "lo")
 
 
 @functools.lru_cache(maxsize=64)
