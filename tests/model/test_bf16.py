@@ -24,7 +24,8 @@ from aioprefill.workers.paddle import gemm, onednn
 from aioprefill.workers.paddle.attention import _copy_kv
 from aioprefill.workers.paddle.head import host
 from aioprefill.workers.paddle.last_rows import last_rows_only
-from aioprefill.workers.paddle.lo_channels import LO_CHANNELS
+from aioprefill.workers.paddle.lo_channels import LO_CHANNELS, _extend_head
+from aioprefill.workers.paddle.logits import VOCAB_CHUNK, head_rows
 from aioprefill.workers.paddle.ops import round_bf16_
 from aioprefill.workers.paddle.runner import PaddleRunner
 from aioprefill.workers.prefix_blocks import BlockStore, bf16_bits
@@ -143,12 +144,12 @@ def test_extended_products_carry_their_channels_to_float32() -> None:
     lo = _widen(_bf16_bits(x[:, cols] - _widen(bits[:, cols])))
     xe = np.concatenate([_widen(bits), lo], axis=1).astype(np.float64)  # what the product reads
     mm = gemm.Products("cpu", 1, None)
-    ext = mm._cast.extend(paddle.to_tensor(x), cols)
+    ext = mm._cast.extend(paddle.to_tensor(x), onednn.Extension(cols))
     got_bits = np.ctypeslib.as_array(ctypes.cast(ext, ctypes.POINTER(ctypes.c_uint16)), (300, 100))
     assert np.array_equal(got_bits[:, :96], bits) and np.array_equal(_widen(got_bits[:, 96:]), lo)
     w = rng.standard_normal((64, 96)).astype(np.float32)
     wb = paddle.to_tensor(np.concatenate([w, w[:, cols]], axis=1)).astype("bfloat16")
-    mm.extended[int(wb.data_ptr())] = cols
+    mm.extended[int(wb.data_ptr())] = onednn.Extension(cols)
     assert mm.in_features(wb) == 96 and mm.extra_inputs(wb) == 4
     we = _widen(_bf16_bits(np.concatenate([w, w[:, cols]], axis=1))).astype(np.float64)
     want = xe @ we.T
@@ -170,7 +171,7 @@ def test_extended_products_carry_their_channels_to_float32() -> None:
     assert np.abs(act - silu_up).max() <= 1e-4 * np.abs(silu_up).max()
     h = rng.standard_normal((3, 96, 40)).astype(np.float32)
     hb = paddle.to_tensor(np.concatenate([h, h[:, cols]], axis=1)).astype("bfloat16")
-    mm.extended[int(hb.data_ptr())] = cols
+    mm.extended[int(hb.data_ptr())] = onednn.Extension(cols)
     assert mm.in_features(hb, heads=True) == 96
     he = _widen(_bf16_bits(np.concatenate([h, h[:, cols]], axis=1))).astype(np.float64)
     heads = np.from_dlpack(mm.project(paddle.to_tensor(x), hb))
@@ -182,16 +183,64 @@ def test_extended_products_carry_their_channels_to_float32() -> None:
 
 
 @needs_bf16
+def test_the_extended_head_carries_its_channels_and_their_weights_to_float32() -> None:
+    """The LM head's prompt rows (`lo_channels._extend_head`): bf16 [n, k + 2s], the head's
+    rounding, then on the s heaviest channels its rounding again and its own rest; x goes as
+    [hi, rest, hi] on them: the f64 sum of exactly that, registered at every vocabulary slice
+    `head_rows` multiplies, rows bitwise at any row count, and with x's outsized channel and
+    the weights' rounding both carried the head lands near float32 (its log-sum-exp too)."""
+    rng = np.random.default_rng(12)
+    n, k = VOCAB_CHUNK + 300, 64  # two vocabulary slices
+    x = rng.standard_normal((200, k)).astype(np.float32)
+    x[:, 9] *= 200.0
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    mm = gemm.Products("cpu", 1, None)
+    energy = (x.astype(np.float64) ** 2).sum(axis=0)
+    wide = _extend_head(mm, paddle.to_tensor(w), energy)
+    cols = next(iter(mm.extended.values())).cols
+    assert 9 in cols and len(cols) == LO_CHANNELS and wide.shape == [n, k + 2 * LO_CHANNELS]
+    assert len(mm.extended) == 2 and mm.extra_inputs(wide) == 2 * LO_CHANNELS
+    hi = _widen(_bf16_bits(w))
+    bits = np.from_dlpack(wide.view(paddle.uint16))  # [hi, hi on cols, rest on cols]
+    assert np.array_equal(_widen(bits[:, :k]), hi)
+    assert np.array_equal(_widen(bits[:, k : k + len(cols)]), hi[:, cols])
+    assert np.array_equal(
+        _widen(bits[:, k + len(cols) :]), _widen(_bf16_bits(w[:, cols] - hi[:, cols]))
+    )
+    xb = _widen(_bf16_bits(x))
+    xe = np.concatenate([xb, _widen(_bf16_bits(x[:, cols] - xb[:, cols])), xb[:, cols]], axis=1)
+    want = xe.astype(np.float64) @ _widen(bits).astype(np.float64).T
+    for lo in (0, VOCAB_CHUNK):  # each slice as head_rows multiplies it (a view)
+        got = np.from_dlpack(mm.product(paddle.to_tensor(x), wide[lo : lo + VOCAB_CHUNK]))
+        assert np.abs(got - want[:, lo : lo + VOCAB_CHUNK]).max() <= 1e-5 * np.abs(want).max()
+        for m in (16, 17, 100):
+            part = mm.product(paddle.to_tensor(x[-m:]), wide[lo : lo + VOCAB_CHUNK])
+            assert np.array_equal(np.from_dlpack(part), got[-m:]), (lo, m)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    plain = xb.astype(np.float64) @ hi.astype(np.float64).T
+    assert np.abs(want - exact).max() < 0.1 * np.abs(plain - exact).max()
+    f32 = head_rows(paddle.to_tensor(x), paddle.to_tensor(w), mm.product, 0, None)
+    got = head_rows(paddle.to_tensor(x), wide, mm.product, 0, None)
+    bf16 = head_rows(
+        paddle.to_tensor(x), paddle.to_tensor(w).astype("bfloat16"), mm.product, 0, None
+    )
+    assert np.abs(got.lse - f32.lse).max() < 0.1 * np.abs(bf16.lse - f32.lse).max()
+    assert np.array_equal(got.ids, f32.ids)
+
+
+@needs_bf16
 def test_a_bf16_runner_extends_its_products_by_calibration() -> None:
     """A bf16 runner alone picks each dense product's `LO_CHANNELS` channels as it starts (no
     first-layer bf16x2 left), the same ones on every start (a seeded prompt), and answers
     closer to float32 than with bf16x2 on no product at all."""
     a, b = runner("bfloat16"), PaddleRunner(small(dtype="bfloat16", seed=5))
-    assert a._x2 == (0, 0) and len(a._mm.extended) == 4 * len(a._layers)
-    for w in a._mm.extended.values():
-        assert len(w) == LO_CHANNELS
-    assert [c.tolist() for c in a._mm.extended.values()] == [
-        c.tolist() for c in b._mm.extended.values()
+    slices = -(-a.spec.vocab_size // VOCAB_CHUNK)  # the LM head's prompt rows: each slice
+    assert a._x2 == (0, 0) and len(a._mm.extended) == 4 * len(a._layers) + slices
+    assert a._outputs.prompt_head.dtype == paddle.bfloat16
+    for ext in a._mm.extended.values():
+        assert len(ext.cols) == LO_CHANNELS
+    assert [e.cols.tolist() for e in a._mm.extended.values()] == [
+        e.cols.tolist() for e in b._mm.extended.values()
     ]
     f32 = runner("float32")
     ids = prompts(np.random.default_rng(4), [40, 25], f32.spec.vocab_size)
@@ -199,6 +248,7 @@ def test_a_bf16_runner_extends_its_products_by_calibration() -> None:
     want = f32.forward(batch).prompt_logprobs
     plain = PaddleRunner(small(dtype="bfloat16", seed=5))
     plain._mm.extended.clear()  # the same weights' first k inputs: x rounded only
+    plain._outputs.prompt_head = plain._outputs._lm_head.astype("bfloat16")
     for layer in plain._layers:
         for name in ("qkv", "o", "gate_up", "down"):
             w = getattr(layer, name)

@@ -32,7 +32,8 @@ hold as for sgemm. `project` (q/k/v) runs every head in one matmul primitive ins
 same output (the second adds): x's rounding error drops from 2^-9 to ~2^-17 of each value at
 twice that product's cost (the runner's first layers where `paddle.lo_channels` does not apply).
 An `extended` weight ([.., k + s]: its last s inputs repeat s of its channels) takes x's bf16
-rounding and those channels' rest in one product over k + s inputs (`paddle.lo_channels`).
+rounding and those channels' rest in one product over k + s inputs (`paddle.lo_channels`); the
+LM head's prompt rows, k + 2s: the weight's own rest on those channels too (`Extension`).
 `add_linear` (a residual connection) adds a bf16 product into its float32 sum
 in place (beta=1 on every pass).
 
@@ -54,6 +55,7 @@ from aioprefill.workers.paddle.dnnl import dnnl
 from aioprefill.workers.paddle.env import cpu_gemm
 from aioprefill.workers.paddle.onednn import (
     Bf16Cast,
+    Extension,
     check,
     heads_product,
     load_gemm_bf16,
@@ -98,8 +100,8 @@ class Products:
         self.in_out = in_out
         # bf16 weights laid out [.., k + s] whose last s inputs repeat inputs `cols` (by the
         # weight's address): x goes as its bf16 rounding plus those channels' rest (`lo_channels`)
-        self.extended: dict[int, np.ndarray] = {}
-        self.observe: Callable[[paddle.Tensor, paddle.Tensor], None] | None = None  # bf16x2 x, w
+        self.extended: dict[int, Extension] = {}
+        self.observe: Callable[[paddle.Tensor, paddle.Tensor], None] | None = None  # x, w of each
 
     def in_features(self, w: paddle.Tensor, *, heads: bool = False) -> int:
         """A linear layer's input width, from its weight as this worker lays it out (`heads`:
@@ -109,8 +111,8 @@ class Products:
 
     def extra_inputs(self, w: paddle.Tensor) -> int:
         """How many repeated input channels an extended weight carries (0: none)."""
-        cols = self.extended.get(int(w.data_ptr())) if w.dtype == paddle.bfloat16 else None
-        return 0 if cols is None else len(cols)
+        ext = self.extended.get(int(w.data_ptr())) if w.dtype == paddle.bfloat16 else None
+        return 0 if ext is None else ext.inputs
 
     @property
     def tile_rows(self) -> int | None:
@@ -134,14 +136,14 @@ class Products:
         address, beta). x rounded to bf16 for a bf16 w: one pass, or with `split` two (hi, then
         lo added: bf16x2), or for an `extended` w one pass on x's extended rows."""
         k = int(x.shape[1])
+        if self.observe is not None:
+            self.observe(x, w)
         if w.dtype == paddle.bfloat16:
             assert self._bgemm is not None
-            cols = self.extended.get(int(w.data_ptr()))
-            if cols is not None:
-                return self._bgemm, [(self._cast.extend(x, cols), 0.0)], _BF16, _BF16, k + len(cols)
+            ext = self.extended.get(int(w.data_ptr()))
+            if ext is not None:
+                return self._bgemm, [(self._cast.extend(x, ext), 0.0)], _BF16, _BF16, k + ext.inputs
             if split:
-                if self.observe is not None:
-                    self.observe(x, w)
                 hi, lo = self._cast.split(x)
                 return self._bgemm, [(hi, 0.0), (lo, 1.0)], _BF16, _BF16, k
             return self._bgemm, [(self._cast(x), 0.0)], _BF16, _BF16, k

@@ -86,6 +86,8 @@ class OutputHead:
         the last rows too; `product_last` (default `product`) multiplies those last rows
         (`paddle.gemm.Products.product_few`)."""
         self._lm_head = lm_head
+        # the weight prompt rows multiply: `lm_head`, or its extended bf16 copy (lo_channels)
+        self.prompt_head = lm_head
         self._pad_last = pad_last
         self._shard = shard if shard is not None and shard.tp_size > 1 else None
         self._norm, self._eps, self._rms_norm = norm, eps, rms_norm
@@ -312,7 +314,8 @@ class OutputHead:
             t = t if labels is None else labels[lo : lo + tile]
             v0 = 0 if self._shard is None else self._shard.vocab_start
             product = self._product if targets is not None else self._product_last
-            got = head_rows(hn, self._lm_head, product, kmax, t, v0=v0)
+            weight = self.prompt_head if targets is not None else self._lm_head
+            got = head_rows(hn, weight, product, kmax, t, v0=v0)
             # parallel: this rank's vocabulary slice, joined with the other ranks'
             parts.append(got if self._shard is None else self._shard.head_rows(got))
             if targets is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import paddle
@@ -32,6 +33,7 @@ from aioprefill.workers.paddle.env import onednn_library, paddle_libs
 
 __all__ = [
     "Bf16Cast",
+    "Extension",
     "check",
     "cpu_bf16",
     "has_gemm_bf16",
@@ -99,6 +101,20 @@ def cpu_bf16(dtype: str, device: str) -> bool:
     return True
 
 
+class Extension(NamedTuple):
+    """What an extended bf16 weight's inputs after its k own carry (`paddle.lo_channels`): the
+    rest (w - bf16(w)) of input channels `cols` against x's rest on them, and with
+    `weight_rest` then the weight's own rest on them against x's bf16 rounding."""
+
+    cols: np.ndarray
+    weight_rest: bool = False
+
+    @property
+    def inputs(self) -> int:
+        """How many inputs the weight carries after its k own."""
+        return len(self.cols) * (2 if self.weight_rest else 1)
+
+
 class Bf16Cast:
     """float32 tensor -> its values rounded to bfloat16 (round to nearest even), as uint16 bits
     in kept, grow-only buffers (one set per `Products`: products run one at a time). Bitwise
@@ -139,23 +155,26 @@ class Bf16Cast:
         hi, lo = self._hi_lo(np.from_dlpack(x).reshape(-1).view(np.uint32), "")
         return int(hi.ctypes.data), int(lo.ctypes.data)
 
-    def extend(self, x: paddle.Tensor, cols: np.ndarray) -> int:
-        """The address of x's extended rows, bf16 [rows, k + s]: x rounded (the bits `__call__`
-        gives), then the rest of its channels `cols` (x - hi, rounded: bf16x2 on s channels)."""
+    def extend(self, x: paddle.Tensor, ext: Extension) -> int:
+        """The address of x's extended rows, bf16 [rows, k + ext.inputs]: x rounded (the bits
+        `__call__` gives), then the rest of its channels `ext.cols` (x - hi, rounded: bf16x2 on
+        s channels), with `ext.weight_rest` then those channels' hi again."""
         v = np.from_dlpack(x)
         rows, k = v.shape
-        s = len(cols)
-        out = self._buf("ext", rows * (k + s), np.uint16).reshape(rows, k + s)
+        s = len(ext.cols)
+        out = self._buf("ext", rows * (k + ext.inputs), np.uint16).reshape(rows, k + ext.inputs)
         if rows == 0:
             return int(out.ctypes.data)
         if dnnl() is not None:  # rounded straight into the rows, `stride` apart
-            _to_bf16_rows(rows, k, k + s)(v.ctypes.data, out.ctypes.data)
+            _to_bf16_rows(rows, k, k + ext.inputs)(v.ctypes.data, out.ctypes.data)
         else:
             out[:, :k] = self._round(v.reshape(-1).view(np.uint32), "hi").reshape(rows, k)
         picked = self._buf("picked", rows * s, np.float32).reshape(rows, s)
-        np.take(v, cols, axis=1, out=picked)
+        np.take(v, ext.cols, axis=1, out=picked)
         _, lo = self._hi_lo(picked.reshape(-1).view(np.uint32), "picked_")
-        out[:, k:] = lo.reshape(rows, s)
+        out[:, k : k + s] = lo.reshape(rows, s)
+        if ext.weight_rest:
+            np.take(out[:, :k], ext.cols, axis=1, out=out[:, k + s :])
         return int(out.ctypes.data)
 
     def _hi_lo(self, u: np.ndarray, prefix: str) -> tuple[np.ndarray, np.ndarray]:

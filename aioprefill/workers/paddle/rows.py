@@ -70,7 +70,8 @@ def row_floor(
             checks.append((name, product, w, mm.in_features(w), _SIZES, _BIG))
     top = lm_head[:VOCAB_CHUNK] if lm_head.place.is_cpu_place() else lm_head  # as head_rows
     if head:
-        checks.append(("head", mm.product, top, lm_head.shape[1], _HEAD_SIZES, HEAD_ROWS))
+        k = int(lm_head.shape[1]) - mm.extra_inputs(top)
+        checks.append(("head", mm.product, top, k, _HEAD_SIZES, HEAD_ROWS))
     if head and mm.uses_onednn and lm_head.dtype == paddle.float32:  # last rows: `product_few`
         checks.append(("head_last", mm.product_few, top, lm_head.shape[1], _LAST_SIZES, 256))
     rng = np.random.default_rng(0)
