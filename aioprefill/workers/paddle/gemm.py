@@ -98,8 +98,8 @@ class Products:
             set_openmp_threads(threads)
         self._tile = tile_rows
         self.in_out = in_out
-        # bf16 weights laid out [.., k + s] whose last s inputs repeat inputs `cols` (by the
-        # weight's address): x goes as its bf16 rounding plus those channels' rest (`lo_channels`)
+        # bf16 weights [.., k + s] (or k + 2s) whose last inputs repeat channels (by the weight's
+        # address): x goes as its bf16 rounding plus those channels' rest (`Extension`)
         self.extended: dict[int, Extension] = {}
         self.observe: Callable[[paddle.Tensor, paddle.Tensor], None] | None = None  # x, w of each
 

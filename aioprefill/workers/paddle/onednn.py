@@ -102,9 +102,9 @@ def cpu_bf16(dtype: str, device: str) -> bool:
 
 
 class Extension(NamedTuple):
-    """What an extended bf16 weight's inputs after its k own carry (`paddle.lo_channels`): the
-    rest (w - bf16(w)) of input channels `cols` against x's rest on them, and with
-    `weight_rest` then the weight's own rest on them against x's bf16 rounding."""
+    """What an extended bf16 weight carries after its k own inputs (`paddle.lo_channels`): its
+    input channels `cols` again (against x's rest on them, x - bf16(x)), and with `weight_rest`
+    then its own rest on them (w - bf16(w) of a float32 weight, against x's bf16 rounding)."""
 
     cols: np.ndarray
     weight_rest: bool = False
