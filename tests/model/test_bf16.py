@@ -465,12 +465,20 @@ def test_a_quantized_gguf_stays_float32_under_auto() -> None:
 
 @needs_bf16
 def test_moe_in_bf16_keeps_its_experts_float32() -> None:
-    """A mixture of experts in bfloat16: attention and the head in bf16, the experts float32."""
+    """A mixture of experts in bfloat16: attention and the head's prompt rows in bf16, the
+    experts float32."""
     ps = prompts(np.random.default_rng(0), [5, 40], 512)
     spec = small(num_experts=4, num_experts_per_tok=2, seed=11)
     want = PaddleRunner(spec).forward(make_batch(ps))
-    got = PaddleRunner(small(**{**_fields(spec), "dtype": "bfloat16"})).forward(make_batch(ps))
+    bf16 = PaddleRunner(small(**{**_fields(spec), "dtype": "bfloat16"}))
+    got = bf16.forward(make_batch(ps))
     assert np.abs(got.logprobs - want.logprobs).max() < 0.01
+    # its first layers on bf16x2 as before, the head's prompt rows extended (lo_channels)
+    assert bf16._x2 == (1, 4) and bf16._outputs.prompt_head.dtype == paddle.bfloat16
+    assert all(e.weight_rest for e in bf16._mm.extended.values())
+    batch = with_options(make_batch(ps), [ALL, ALL], [0, 0])
+    plp, plp32 = bf16.forward(batch).prompt_logprobs, PaddleRunner(spec).forward(batch)
+    assert np.abs(plp - plp32.prompt_logprobs).max() < 0.05
 
 
 def _fields(spec) -> dict:

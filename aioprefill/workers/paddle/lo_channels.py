@@ -33,10 +33,12 @@ The next-token rows stay float32 (`Products.product_few`: they stream the head, 
 one moved next-token logprobs by more than it saves: mean |d| 0.0102 -> 0.0127).
 
 Under TP each rank picks among its own inputs (a row-parallel product's shard of them) by its
-own share of the calibration forward, which the ranks run together as they start. Not with a
-mixture of experts (the expert products are not `Products`' and an EP group steps in lockstep),
-nor where the extended products' rows move with the row count (`paddle.rows`' check, rerun on
-them): the runner keeps bf16x2 on its first layers there, as before.
+own share of the calibration forward, which the ranks run together as they start. A mixture of
+experts keeps bf16x2 on its first layers (the expert products are not `Products`') and gets the
+head's extension alone (its calibration forward runs as its forwards do); an expert-parallel
+group neither (its ranks step in lockstep). Where the extended products' rows move with the row
+count (`paddle.rows`' check, rerun on them) the runner keeps bf16x2 on its first layers and the
+float32 head, as before.
 """
 
 from __future__ import annotations
@@ -107,11 +109,13 @@ def _column_energy(w: paddle.Tensor) -> np.ndarray:
 def extend_runner(runner: _Runner, lm_head: paddle.Tensor) -> tuple[int, int]:
     """Extends a bf16 `PaddleRunner`'s dense products as it starts: picks each one's
     `LO_CHANNELS` channels by its forward of `calibration_batch` with every product on bf16x2,
-    extends the layers' weights in place and registers them in its `Products.extended`; puts
-    the weights back where the extended products' rows move with the row count (its default
-    mode's floor, `rows.row_floor`). Returns the (layers, q/k/v layers) on bf16x2 from then on:
-    none, or its first ones as before."""
+    extends the layers' weights in place and registers them in its `Products.extended`, and
+    the LM head's prompt rows (`_extend_head`); a mixture of experts its head only. Puts the
+    weights back where the extended products' rows move with the row count (its default mode's
+    floor, `rows.row_floor`). Returns the (layers, q/k/v layers) on bf16x2 from then on: none,
+    or its first ones as before."""
     mm, layers, before = runner._mm, runner._layers, runner._x2
+    dense = all(layer.moe is None for layer in layers)
     energy: dict[int, np.ndarray] = {}
 
     def observe(x: paddle.Tensor, w: paddle.Tensor) -> None:
@@ -119,13 +123,14 @@ def extend_runner(runner: _Runner, lm_head: paddle.Tensor) -> tuple[int, int]:
         key = int(w.data_ptr())
         energy[key] = energy.get(key, 0.0) + e
 
-    runner._x2, mm.observe = (len(layers),) * 2, observe
+    runner._x2, mm.observe = (len(layers),) * 2 if dense else before, observe
     try:
         runner.forward(calibration_batch(runner.spec.vocab_size))
     finally:
         runner._x2, mm.observe = before, None
-    old = [{n: getattr(layer, n) for n in _PRODUCTS} for layer in layers]
-    for layer, weights in zip(layers, old, strict=True):
+    extendable = layers if dense else []
+    old = [{n: getattr(layer, n) for n in _PRODUCTS} for layer in extendable]
+    for layer, weights in zip(extendable, old, strict=True):
         for name, w in weights.items():
             e = energy.get(int(w.data_ptr()))
             if e is None:  # never ran on bf16x2: not a product of this forward
@@ -145,9 +150,9 @@ def extend_runner(runner: _Runner, lm_head: paddle.Tensor) -> tuple[int, int]:
         or row_floor(mm, layers[0], head, head=head is not lm_head)[0] == runner._floor
     ):
         runner._outputs.prompt_head = head
-        return (0, 0)
+        return (0, 0) if dense else before
     mm.extended.clear()
-    for layer, weights in zip(layers, old, strict=True):
+    for layer, weights in zip(extendable, old, strict=True):
         for name, w in weights.items():
             setattr(layer, name, w)
     log.warning("bf16: the extended products' rows move with the row count: bf16x2 as before")

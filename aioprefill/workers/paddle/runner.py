@@ -189,7 +189,7 @@ class PaddleRunner:
         self.cache_slots = self._store  # what the KV store tier loads into (workers.store_hook)
         self._exports = KVWriters()  # KV exports the running forward writes
         self._x2 = (_BF16X2_LAYERS, _BF16X2_QKV_LAYERS) if self._bf16 else (0, 0)
-        if self._bf16 and self._shard.ep_size == 1 and all(b.moe is None for b in self._layers):
+        if self._bf16 and self._shard.ep_size == 1:  # (a mixture of experts: its head only)
             self._x2 = extend_runner(self, weights.lm_head)
 
     # ------------------------------------------------------------------ public interface
