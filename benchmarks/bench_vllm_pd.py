@@ -181,8 +181,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,2048,3072,4000")
     ap.add_argument("--bf16", action="store_true", help="only the bf16 decode run")
     ap.add_argument("--concurrent", type=int, default=100, help="with --bf16: requests at once")
-    ap.add_argument("--prefill-dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="with --bf16: aioprefill's dtype (its KV is rounded to bf16 either way)")
+    ap.add_argument(
+        "--prefill-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="with --bf16: aioprefill's dtype (its KV is rounded to bf16 either way)",
+    )
     a = ap.parse_args()
     python, model = vllmvenv.ensure(), vllmvenv.model()
     lines = [f"$ python benchmarks/bench_vllm_pd.py {' '.join(sys.argv[1:])}",

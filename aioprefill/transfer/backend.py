@@ -18,6 +18,7 @@ from aioprefill.optional import TRANSFER_EXTRA_HINT, import_mooncake
 
 __all__ = ["TRANSFER_EXTRA_HINT", "address_of", "import_mooncake", "load_mooncake", "new_engine"]
 
+
 def load_mooncake() -> Any:
     """`mooncake.engine`, or InvalidConfig naming what to install."""
     return import_mooncake(

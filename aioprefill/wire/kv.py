@@ -60,6 +60,7 @@ class KVTransfer(Protocol):
     def deregister(self, name: str) -> None: ...
     def close(self) -> None: ...
 
+
 _NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 

@@ -69,6 +69,7 @@ def test_chunks_ride_along_with_other_requests(fresh: PaddleRunner) -> None:
 
 def test_chunked_in_query_blocks(monkeypatch) -> None:
     from aioprefill.workers.paddle import runner as paddle_runner
+
     monkeypatch.setattr(paddle_runner, "_ATTN_TILE", 9)
     runner = PaddleRunner(SMALL)
     prompt = prompts(np.random.default_rng(2), [120], SMALL.vocab_size)[0]
@@ -151,6 +152,7 @@ def test_threads_setting_is_accepted() -> None:
 
 def test_a_failed_forward_drops_the_state_of_its_requests(fresh: PaddleRunner, monkeypatch) -> None:
     from aioprefill.workers.paddle import runner as paddle_runner
+
     p, other = prompts(np.random.default_rng(7), [30, 20], SMALL.vocab_size)
     fresh.forward(make_batch([p[:10], other[:10]], ids=[1, 2], last=[False, False]))
     real, calls = paddle_runner.attend_rows, []
