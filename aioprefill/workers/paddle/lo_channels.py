@@ -101,9 +101,13 @@ def calibration_batch(vocab_size: int) -> ForwardBatch:
 
 
 def _column_energy(w: paddle.Tensor) -> np.ndarray:
-    """sum_j w_ij^2 for each input channel i of a bf16 weight ([n, k] or [heads, k, dim])."""
-    a = w.astype(paddle.float32).numpy().astype(np.float64) ** 2
-    return a.sum(axis=(0, 2)) if a.ndim == 3 else a.sum(axis=0)
+    """sum_j w_ij^2 for each input channel i of a weight (bf16 or float32; [n, k] or [heads, k,
+    dim]), float64 squares of `VOCAB_CHUNK` rows at a time: no float64 copy of a whole LM head."""
+    a = np.from_dlpack(w) if w.dtype == paddle.float32 else w.astype(paddle.float32).numpy()
+    if a.ndim == 3:
+        return np.square(a, dtype=np.float64).sum(axis=(0, 2))
+    rows = range(0, len(a), VOCAB_CHUNK)
+    return sum(np.square(a[lo : lo + VOCAB_CHUNK], dtype=np.float64).sum(axis=0) for lo in rows)
 
 
 def extend_runner(runner: _Runner, lm_head: paddle.Tensor) -> tuple[int, int]:
@@ -166,12 +170,7 @@ def _extend_head(mm: Products, lm_head: paddle.Tensor, energy: np.ndarray) -> pa
     in `mm.extended` at each of `head_rows`' vocabulary slices. The final norm's output is
     lopsided as the residual stream is (SmolLM2: 8 of 576 channels hold 95% of the head's
     rounding error's energy); at ~0.53x the float32 product's CPU time."""
-    w = np.from_dlpack(lm_head)
-    n = len(w)  # the columns' energy (float64 squares) a slice at a time: no float64 copy
-    score = energy * sum(
-        np.square(w[lo : lo + VOCAB_CHUNK], dtype=np.float64).sum(axis=0)
-        for lo in range(0, n, VOCAB_CHUNK)
-    )
+    score = energy * _column_energy(lm_head)
     cols = np.sort(np.argsort(-score, kind="stable")[:LO_CHANNELS])
     hi = lm_head.astype(paddle.bfloat16)
     picked = paddle.to_tensor(cols)
@@ -179,6 +178,6 @@ def _extend_head(mm: Products, lm_head: paddle.Tensor, energy: np.ndarray) -> pa
     rest = paddle.index_select(lm_head, picked, axis=1) - rounded.astype(lm_head.dtype)
     wide = paddle.concat([hi, rounded, rest.astype(hi.dtype)], axis=1)
     row_bytes = int(wide.shape[1]) * 2
-    for lo in range(0, n, VOCAB_CHUNK):
+    for lo in range(0, int(wide.shape[0]), VOCAB_CHUNK):
         mm.extended[int(wide.data_ptr()) + lo * row_bytes] = Extension(cols, weight_rest=True)
     return wide
