@@ -31,14 +31,14 @@ import paddle
 
 from aioprefill.config import PaddleModel
 from aioprefill.workers.paddle import attention
+from aioprefill.workers.paddle.ops import round_bf16_
 from aioprefill.workers.paddle.runner import PaddleRunner
 from tests.hf.smollm2 import gguf_path
 
 
 def round_bf16(a: np.ndarray) -> None:
-    """float32 values rounded to bf16 (nearest even), in place."""
-    u = a.view(np.uint32)
-    u[...] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    """float32 values rounded to bf16 (nearest even: the worker's `round_bf16_`), in place."""
+    a[...] = np.from_dlpack(round_bf16_(paddle.to_tensor(a)))
 
 
 def main() -> None:

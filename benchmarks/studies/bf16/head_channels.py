@@ -28,14 +28,14 @@ import paddle
 
 from aioprefill.config import PaddleModel
 from aioprefill.workers.paddle.lo_channels import calibration_batch
+from aioprefill.workers.paddle.ops import round_bf16_
 from aioprefill.workers.paddle.runner import PaddleRunner
 from tests.hf.smollm2 import gguf_path
 
 
 def rounded(a: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bf16 (nearest even), as float32."""
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
-    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32) << 16).view(np.float32)
+    """float32 values rounded to bf16 (nearest even: the worker's `round_bf16_`), as float32."""
+    return np.from_dlpack(round_bf16_(paddle.to_tensor(np.ascontiguousarray(a, np.float32))))
 
 
 def main() -> None:
