@@ -58,6 +58,10 @@ async def test_a_hit_answers_exactly_what_the_whole_prompt_does():
         assert (await engine.prefill(exact)).cached_tokens == 80
         short = ids(1, 15)  # no full block: never looked up
         check(await engine.prefill(short), short)
+        # base's blocks were written by next-token requests, which keep no hidden rows (the
+        # worker may run the last layer on the last rows): a request asking for prompt logprobs
+        # computes them, and writes them again with their rows
+        assert (await engine.prefill(base, prompt_logprobs=True)).cached_tokens == 0
         longer = base[:70] + ids(5, 60)  # shares four blocks, then differs
         opts = dict(prompt_logprobs=True, top_k=3, prompt_top_k=True, embed="mean", normalize=True)
         r = await engine.prefill(longer, return_kv=True, **opts)
@@ -76,8 +80,8 @@ async def test_a_hit_answers_exactly_what_the_whole_prompt_does():
         np.testing.assert_allclose(last.embedding, sim_embedding(longer, "last"), rtol=1e-6)
         assert last.cached_tokens == 128
         stats = engine.stats().prefix_cache
-    assert stats.queried_tokens == 100 + 100 + 96 + 130 + 130
-    assert stats.hit_tokens == 96 + 80 + 64 + 128
+    assert stats.queried_tokens == 100 + 100 + 96 + 100 + 130 + 130
+    assert stats.hit_tokens == 96 + 80 + 0 + 64 + 128
     assert stats.blocks == 6 + 4 and stats.bytes == stats.blocks * 16 * KV
     assert stats.evictions == 0 and stats.capacity_blocks == (1 << 20) // (16 * KV)
 
@@ -120,7 +124,8 @@ async def test_chunked_prompts_read_once_and_write_every_block_they_complete():
     cfg = EngineConfig(model=sim(), prefix_cache_bytes=1 << 20, max_batch_tokens=64)
     async with Engine(cfg) as engine:
         p = ids(9, 200)
-        assert (await engine.prefill(p)).num_chunks == 4
+        # (its blocks keep their hidden rows, which the reader's prompt logprobs need)
+        assert (await engine.prefill(p, prompt_logprobs=True)).num_chunks == 4
         longer = p + ids(31, 150)
         r = await engine.prefill(longer, prompt_logprobs=True)
         assert r.cached_tokens == 192 and r.num_chunks == 3  # 158 computed in chunks of 64

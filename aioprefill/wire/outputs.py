@@ -27,7 +27,13 @@ from aioprefill.shm.spill import read_spilled
 from aioprefill.wire import protocol
 from aioprefill.wire.encoder import OPT_EMBED_CLS, encoder_bits, token_types_bytes
 from aioprefill.wire.kv import KVExports, KVTicket
-from aioprefill.wire.protocol import BatchResult, Spilled
+from aioprefill.wire.protocol import (
+    OPT_EMBED_MEAN,
+    OPT_PROMPT_LOGPROBS,
+    OPT_PROMPT_TOP_K,
+    BatchResult,
+    Spilled,
+)
 
 __all__ = [
     "Outputs",
@@ -39,6 +45,9 @@ __all__ = [
 ]
 
 MAX_LABELS = 32  # label token ids per request
+# The options answered from the final hidden row of every prompt position (not the last alone):
+# a prefix-cache block read for them must have kept its rows (`sched.prefix.BlockIndex`).
+OPTS_OVER_PROMPT = OPT_PROMPT_LOGPROBS | OPT_PROMPT_TOP_K | OPT_EMBED_MEAN
 EMBED_MODES = {None: 0, "last": protocol.OPT_EMBED_LAST, "mean": protocol.OPT_EMBED_MEAN}
 
 

@@ -13,7 +13,10 @@ named. A slot holds one block of `block_tokens` prompt positions:
 - the final hidden state (before the final norm) of every position, float32 `[block_tokens,
   hidden]`: what prompt log-probabilities, prompt top-k and mean pooling over cached positions
   are computed from (the head and the norm run on these rows exactly as on computed ones), so a
-  hit never recomputes a layer;
+  hit never recomputes a layer. Not kept by a forward that ran its last layer on the last rows
+  alone (`paddle.last_rows`: no request of it asked for those options, and no KV store puts its
+  blocks): such a slot is rowless (`has_rows`), and the engine never plans a read of its rows
+  (`sched.prefix.BlockIndex.rowless`; `BatchPlan.check` refuses one);
 - the block's token ids (int32): the targets of the cached positions' prompt log-probabilities;
 - when the request that wrote it asked for prompt log-probabilities (and prompt top-k, up to
   `SCORED_TOP_K`) and computed every position of the block in the chunk that wrote it: those
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aioprefill.wire.outputs import OPTS_OVER_PROMPT
 from aioprefill.workers.runner import ForwardBatch
 
 __all__ = ["SCORED_TOP_K", "BatchPlan", "BlockStore", "bf16_bits"]
@@ -100,6 +104,7 @@ class BlockStore:
         # Per slot: a forward wrote it whole (a failed forward's write slots are not: reading
         # one is refused rather than answered from half-written or stale memory).
         self.ready = np.zeros(num_blocks, dtype=bool)
+        self.has_rows = np.zeros(num_blocks, dtype=bool)  # per slot: `hidden` holds its rows
         # Per slot: -1 no prompt logprobs kept; else they are, with this many top-k of each.
         self.scored = np.empty(num_blocks, dtype=np.int16)
         self.logprobs = np.empty((num_blocks, block_tokens), dtype=np.float32)
@@ -142,7 +147,7 @@ class BlockStore:
 
     def loaded(self, slot: int) -> None:
         """`slot_arrays(slot)` were filled from the KV store (checked): it holds its block."""
-        self.ready[slot] = True
+        self.ready[slot] = self.has_rows[slot] = True
 
     def layout(self) -> str:
         """Names the slot's byte layout (store keys: blocks of other layouts never mix)."""
@@ -176,8 +181,11 @@ class BlockStore:
             self.tokens[slots].reshape(-1),
         )
 
-    def write_rows(self, slots: np.ndarray, hidden: np.ndarray, tokens: np.ndarray) -> None:
-        self.hidden[slots] = hidden.reshape(len(slots), self.block_tokens, -1)
+    def write_rows(self, slots: np.ndarray, hidden: np.ndarray | None, tokens: np.ndarray) -> None:
+        """The blocks' token ids and hidden rows (None: rowless slots)."""
+        if hidden is not None:
+            self.hidden[slots] = hidden.reshape(len(slots), self.block_tokens, -1)
+        self.has_rows[slots] = hidden is not None
         self.tokens[slots] = tokens.reshape(len(slots), self.block_tokens)
         self.scored[slots] = -1  # until `write_scores`
 
@@ -247,6 +255,7 @@ class BatchPlan:
         the positions it holds."""
         num_blocks, block_tokens = store.num_blocks, store.block_tokens
         ends = (batch.start_pos.astype(np.int64) + batch.seq_lens()).tolist()
+        over_prompt = batch.has(OPTS_OVER_PROMPT).tolist()
         written: set[int] = set()
         for i, (rid, start, end) in enumerate(
             zip(batch.request_ids.tolist(), batch.start_pos.tolist(), ends, strict=True)
@@ -262,6 +271,11 @@ class BatchPlan:
             for slot in reads[~store.ready[reads]].tolist():
                 if slot not in written:
                     raise ValueError(f"request {rid} reads slot {slot}, which holds no block")
+            if over_prompt[i]:  # (an earlier request writing it keeps them: not trimmed)
+                for slot in reads[~store.has_rows[reads]].tolist():
+                    if slot not in written:
+                        raise ValueError(f"request {rid} reads the hidden rows of slot {slot}, "
+                                         "which has none")  # fmt: skip
             written.update(writes.tolist())
             if len(writes):
                 lo = self.first_write[i] * block_tokens

@@ -409,7 +409,9 @@ def test_a_next_token_hit_runs_its_last_layer_on_the_last_row(mode: str) -> None
     r = runner(mode)
     p = prompt(90, seed=11)
     opts = protocol.OPT_EMBED_LAST
-    run(r, [(p, 0)], opts, [([], [60, 61, 62], 0)])  # writes its blocks: the layer whole
+    # writes its blocks with their hidden rows (mean pooling asked: the layer whole), which the
+    # whole-layer read below needs
+    run(r, [(p, 0)], opts | protocol.OPT_EMBED_MEAN, [([], [60, 61, 62], 0)])
     plan = [([60, 61, 62], [], 0)]
     batch = planned(make_batch([p[3 * B :]], starts=[3 * B]), *map(list, zip(*plan, strict=True)))
     # the bf16 modes (and float32 on oneDNN: `attention.tiles_attention`)
@@ -419,3 +421,31 @@ def test_a_next_token_hit_runs_its_last_layer_on_the_last_row(mode: str) -> None
     for name in ("tokens", "logprobs", "top_k_ids", "top_k_logprobs", "label_logprobs"):
         assert np.array_equal(getattr(got, name), getattr(full, name)), name
     same(got, whole(r, p, opts), mode, "a next-token hit", hit=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_next_token_writer_keeps_its_blocks_without_hidden_rows(mode: str) -> None:
+    """A next-token batch that writes blocks runs its last layer on the last rows too: its
+    answer is the whole layer's bitwise, its slots keep K/V and token ids but no hidden rows
+    (`BlockStore.has_rows`), a next-token hit of them answers as any hit, and a read that needs
+    their rows (prompt logprobs, mean pooling) is refused before anything runs."""
+    r = runner(mode)
+    store = r._store
+    assert store is not None
+    p = prompt(90, seed=12)
+    opts = protocol.OPT_EMBED_LAST
+    batch = planned(make_batch([p]), None, [[56, 57, 58]], [0])
+    trims = last_rows_only(batch, BatchPlan.of(batch), r._mm, r._bf16)
+    assert trims or not r._bf16  # (float32 too on oneDNN: `attention.tiles_attention`)
+    wrote = run(r, [(p, 0)], opts, [([], [56, 57, 58], 0)])
+    assert np.array_equal(wrote.tokens, whole(r, p, opts).tokens)
+    for name in ("logprobs", "top_k_logprobs", "label_logprobs", "embeddings"):
+        assert np.array_equal(getattr(wrote, name), getattr(whole(r, p, opts), name)), name
+    assert store.has_rows[[56, 57, 58]].tolist() == [not trims] * 3
+    assert store.ready[[56, 57, 58]].all()
+    plan = [([56, 57, 58], [], 0)]
+    same(run(r, [(p[3 * B :], 3 * B)], opts, plan), whole(r, p, opts), mode, "hit", hit=True)
+    if trims:
+        for needs in (protocol.OPT_PROMPT_LOGPROBS, protocol.OPT_EMBED_MEAN):
+            with pytest.raises(ValueError, match="reads the hidden rows of slot 56"):
+                run(r, [(p[3 * B :], 3 * B)], needs, plan)

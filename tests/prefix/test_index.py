@@ -270,3 +270,54 @@ def test_with_a_store_blocks_computed_past_the_slots_travel_as_tails():
         assert list(np.frombuffer(columns[2], "<i4")) == [0, 0]  # no write
         assert list(np.frombuffer(columns[6], "<i4")) == [0, 2]
         assert list(np.frombuffer(columns[7], "<u8")) == other.hashes
+
+
+def test_blocks_a_next_token_request_wrote_keep_no_hidden_rows_until_one_that_needs_them():
+    """Without a KV store, a request asking for nothing over the prompt writes rowless blocks
+    (its worker may run the last layer on the last rows alone): another such request reads
+    them; one asking for prompt logprobs or mean pooling computes them and writes them again,
+    with their rows (the rowless ones forgotten: the observer hears them removed), and from
+    then on every request reads them."""
+    from aioprefill.wire.outputs import Outputs
+    from aioprefill.wire.protocol import OPT_EMBED_LAST, OPT_EMBED_MEAN, OPT_PROMPT_LOGPROBS
+
+    def req(rid: int, tokens: list[int], bits: int = 0) -> Request:
+        r = request(rid, tokens, cache)
+        r.outputs = Outputs(bits=bits, top_k=0) if bits else None
+        return r
+
+    def one(r: Request) -> tuple[list[tuple[int, int]], int]:
+        """(start, cached) of its chunk, and how many blocks it writes."""
+        chunks, columns, pins = run(cache, slots, [r])
+        cache.release(pins)
+        writes = 0 if columns is None else len(np.frombuffer(columns[3], "<i4"))
+        return [(c.start, c.cached) for c in chunks], writes
+
+    cache = PrefixCache(groups(1, 16), B, store_keys=False)
+    heard: list[tuple[str, list[int]]] = []
+    cache.shared.observer = SimpleNamespace(
+        stored=lambda g, hashes, parent, ids: heard.append(("stored", hashes)),
+        removed=lambda g, hashes, in_store=True: heard.append(("removed", hashes)),
+        put_past_cache=lambda *args: None,
+    )
+    slots = groups(1, 16)
+    chat = list(range(13))  # three full blocks
+    assert one(req(1, chat)) == ([(0, 0)], 3)  # written, rowless
+    assert one(req(2, chat, OPT_EMBED_LAST)) == ([(12, 12)], 0)
+    assert cache.evictions == 0
+    assert one(req(3, chat, OPT_PROMPT_LOGPROBS)) == ([(0, 0)], 3)  # computed, written again
+    hashes = block_hashes(np.asarray(chat, "<i4").tobytes(), B)[:3]
+    assert heard == [("stored", hashes), ("removed", hashes), ("stored", hashes)]
+    assert cache.evictions == 0 and len(cache.indexes[0]) == 3  # (not evictions)
+    for rid, bits in enumerate((OPT_EMBED_MEAN, OPT_PROMPT_LOGPROBS, 0, OPT_EMBED_LAST)):
+        assert one(req(4 + rid, chat, bits)) == ([(12, 12)], 0), bits
+    # a chain whose first block kept its rows and the rest did not: read up to the rowless
+    longer = chat + list(range(100, 108))  # five full blocks: the first three held with rows
+    assert one(req(9, longer)) == ([(12, 12)], 2)  # blocks 3 and 4 rowless
+    assert one(req(10, longer, OPT_EMBED_MEAN)) == ([(12, 12)], 2)
+    assert one(req(11, longer, OPT_PROMPT_LOGPROBS)) == ([(20, 20)], 0)
+    cache.shared.store_keys = True  # a KV store puts every block whole: none is rowless
+    other = list(range(80, 93))
+    assert one(req(12, other)) == ([(0, 0)], 3)
+    assert one(req(13, other, OPT_PROMPT_LOGPROBS)) == ([(12, 12)], 0)
+    cache.indexes[0].check()

@@ -13,6 +13,11 @@ the index is exact the moment a batch is sent.
   (a chain's last block first), so a chain's last block is evicted before its parents: a prefix
   stays reachable as long as possible.
 - free slots are used before anything is evicted.
+- rowless: held slots whose block keeps its K/V and token ids but not its hidden rows (written
+  by requests that asked for nothing over the prompt's positions: their workers ran the last
+  layer on each prompt's last row alone, `paddle.last_rows`). A request asking for prompt
+  log-probabilities, prompt top-k or mean pooling reads only up to the first of them
+  (`count`/`match` with `rows`) and computes the rest.
 
 `clear()` forgets everything (the worker died or restarted: nothing is ever read from it
 again); the `epoch` it bumps makes late releases of pins taken before it harmless.
@@ -65,6 +70,7 @@ class BlockIndex:
         "lru",
         "num_blocks",
         "pins",
+        "rowless",
         "slot_of",
         "stored",
     )
@@ -84,27 +90,26 @@ class BlockIndex:
         self.pins: dict[int, int] = {}  # pinned slot -> pins (absent: unpinned)
         self.lru: OrderedDict[int, None] = OrderedDict()  # unpinned held slots, oldest first
         self.free = list(range(num_blocks - 1, -1, -1))  # pop() gives slot 0 first
+        self.rowless: set[int] = set()  # slots whose block has no hidden rows (`put`)
         self.evicted: list[int] = []  # hashes evicted since the caller last took them
 
     def __len__(self) -> int:
         """Blocks held."""
         return len(self.slot_of)
 
-    def count(self, hashes: list[int], limit: int) -> int:
-        """How many of the first `limit` hashes are held, from the first on."""
-        get = self.slot_of.get
-        for i in range(min(limit, len(hashes))):
-            if get(hashes[i]) is None:
-                return i
-        return min(limit, len(hashes))
+    def count(self, hashes: list[int], limit: int, *, rows: bool = False) -> int:
+        """How many of the first `limit` hashes are held, from the first on (`rows`: with
+        their hidden rows)."""
+        return len(self.match(hashes, limit, rows=rows))
 
-    def match(self, hashes: list[int], limit: int) -> list[int]:
-        """The slots of the longest held chain among the first `limit` hashes."""
+    def match(self, hashes: list[int], limit: int, *, rows: bool = False) -> list[int]:
+        """The slots of the longest held chain among the first `limit` hashes (`rows`: up to
+        the first rowless one)."""
         slots = []
-        get = self.slot_of.get
+        get, rowless = self.slot_of.get, self.rowless if rows else ()
         for i in range(min(limit, len(hashes))):
             slot = get(hashes[i])
-            if slot is None:
+            if slot is None or slot in rowless:
                 break
             slots.append(slot)
         return slots
@@ -150,8 +155,10 @@ class BlockIndex:
         got.extend(victims)
         return got
 
-    def put(self, blocks: list[int], slots: list[int]) -> None:
-        """`slots` (from `take`) now hold `blocks`, each pinned once by the batch writing it."""
+    def put(self, blocks: list[int], slots: list[int], *, rowless: bool = False) -> None:
+        """`slots` (from `take`) now hold `blocks`, each pinned once by the batch writing it;
+        `rowless`: without their hidden rows."""
+        (self.rowless.update if rowless else self.rowless.difference_update)(slots)
         self.stored += len(blocks)
         self.slot_of.update(zip(blocks, slots, strict=True))
         self.hash_of.update(zip(slots, blocks, strict=True))

@@ -23,6 +23,11 @@ How `place` slices one prompt of n tokens in blocks of B (here a first chunk, `s
                             (written), the rest are the tail (a store puts them)
     a later chunk starts at its `start`, reads nothing, and re-pins its earlier blocks.
 
+A request asking for prompt log-probabilities, prompt top-k or mean pooling (`needs_rows`)
+reads only blocks that kept their final hidden rows, and writes again (with them) the rowless
+ones it computes; the blocks any other request writes keep none (`BlockIndex.rowless`: its
+worker may run the last layer on each prompt's last row alone), unless a KV store puts them.
+
 Only the first chunk computed of a prompt reads; every chunk writes the full blocks it
 completes that the group does not hold yet (stopping at the first one it holds, or when every
 slot is pinned). With a KV store (`store_keys`), the written blocks' hashes travel too, and so
@@ -44,6 +49,7 @@ import numpy as np
 
 from aioprefill.sched.prefix.index import BlockIndex, CacheObserver
 from aioprefill.sched.units import Chunk, Request
+from aioprefill.wire.outputs import OPTS_OVER_PROMPT
 
 __all__ = ["BatchPlan", "Pins", "PlanShared"]
 
@@ -107,6 +113,7 @@ class BatchPlan:
         "read_offsets",
         "read_slots",
         "reads_left",
+        "rewritten",
         "tail_hashes",
         "tail_offsets",
         "tailed",
@@ -153,6 +160,7 @@ class BatchPlan:
         self.tailed: list[tuple[Request, int, int]] = []  # the same, of each chunk's tail
         self.queried = 0
         self.hit = 0
+        self.rewritten = 0  # rowless blocks forgotten to be written again (not evictions)
 
     def lookup(self, req: Request) -> int:
         """Tokens of `req`'s prompt this group can read (whole blocks, not the last token)."""
@@ -160,7 +168,7 @@ class BatchPlan:
         if not hashes:
             return 0
         limit = min((req.num_tokens - 1) // self.block_tokens, self.reads_left)
-        return self.index.count(hashes, limit) * self.block_tokens
+        return self.index.count(hashes, limit, rows=needs_rows(req)) * self.block_tokens
 
     def elsewhere(self, req: Request, cached: int) -> bool:
         """Whether `req` should wait for its *home*, the group holding most of its prompt
@@ -178,12 +186,12 @@ class BatchPlan:
             return False
         limit = (req.num_tokens - 1) // self.block_tokens
         indexes, queued, size = self.cache.indexes, self.queued, self.block_tokens
-        home = -1
+        rows, home = needs_rows(req), -1
         best = cost = 0
         for g, wait in enumerate(waits):
             if wait is None or g == self.group:
                 continue
-            gain = indexes[g].count(hashes, limit) * size - cached
+            gain = indexes[g].count(hashes, limit, rows=rows) * size - cached
             if gain <= 0:
                 continue
             wait = (wait >> 1) + queued[g]
@@ -200,12 +208,13 @@ class BatchPlan:
         only) and writing the blocks it completes; every slot it uses is pinned."""
         index, size, pins = self.index, self.block_tokens, self.pins
         hashes: list[int] = req.hashes or []
+        rows = needs_rows(req)
         reads: list[int] = []
         if start == 0:
             if hashes:  # (a prompt without a full block is never looked up)
                 self.queried += req.num_tokens
             if cached:
-                reads = index.match(hashes, min(cached, end - 1) // size)
+                reads = index.match(hashes, min(cached, end - 1) // size, rows=rows)
                 for slot in reads:
                     index.pin(slot)
                 pins.extend(reads)
@@ -223,6 +232,10 @@ class BatchPlan:
         first = start // size
         slot_of = index.slot_of
         run = hashes[first : end // size]
+        if rows and index.rowless:  # held without their rows: forgotten, written again with them
+            gone = [h for h in run if slot_of.get(h) in index.rowless and index.discard(slot_of[h])]
+            index.evicted.extend(gone)
+            self.rewritten += len(gone)
         if not slot_of.keys().isdisjoint(run):  # stop at the first block held already (or
             run = run[: next(i for i, h in enumerate(run) if h in slot_of)]  # written before)
         # (a run whose chain's parent is not here is not written: a block nobody could reach)
@@ -230,7 +243,8 @@ class BatchPlan:
         taken = index.take(len(run)) if run and not orphan else []
         count = len(taken)
         if count:  # fewer than asked when the rest of the slots are pinned
-            index.put(run[:count], taken)
+            # rowless unless a KV store puts them (their workers then keep every row)
+            index.put(run[:count], taken, rowless=not (rows or self.cache.store_keys))
             pins.extend(taken)
             self.new.extend(taken)
             self.write_slots += _int32s(taken)
@@ -311,10 +325,19 @@ class BatchPlan:
     def _flush_evicted(self) -> None:
         evicted = self.index.evicted
         if evicted:
-            self.cache.evictions += len(evicted)
+            self.cache.evictions += len(evicted) - self.rewritten
+            self.rewritten = 0
             if self.cache.observer is not None:
                 self.cache.observer.removed(self.group, list(evicted))
             evicted.clear()
+
+
+def needs_rows(req: Request) -> bool:
+    """Whether `req` asks for what the final hidden rows of its prompt's positions give
+    (prompt log-probabilities or top-k, mean pooling): it reads only blocks that kept them, and
+    the blocks it writes keep them."""
+    outputs = req.outputs
+    return outputs is not None and bool(outputs.bits & OPTS_OVER_PROMPT)
 
 
 _INT32 = struct.Struct("<i").pack

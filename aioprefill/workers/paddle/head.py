@@ -39,10 +39,11 @@ _EMBED = protocol.OPT_EMBED_LAST | protocol.OPT_EMBED_MEAN
 class Cached(NamedTuple):
     """A chunk's cached positions [0, n): their hidden rows [n, hidden] (before the final norm)
     and token ids int32[n], and the prompt outputs the leading slots kept, positions [0, m <= n)
-    (logprob float32[m], top-k ids int32[m, k], logprobs float32[m, k]; token 0's unused)."""
+    (logprob float32[m], top-k ids int32[m, k], logprobs float32[m, k]; token 0's unused);
+    all None for a chunk that asks for nothing over the prompt (`wire.outputs.OPTS_OVER_PROMPT`)."""
 
-    hidden: paddle.Tensor
-    tokens: np.ndarray
+    hidden: paddle.Tensor | None
+    tokens: np.ndarray | None
     scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None
 
 
@@ -200,6 +201,7 @@ class OutputHead:
             rows, kept = 0, None
             if i in prefixes:  # cached positions: kept values [1, m), the head on the rest
                 hidden, tokens, scores = prefixes[i]
+                assert hidden is not None and tokens is not None  # (it asked: rows were read)
                 kept = None if scores is None else tuple(a[1:] for a in scores)
                 m = 1 if scores is None else max(len(scores[0]), 1)
                 if len(tokens) > m:
@@ -263,7 +265,8 @@ class OutputHead:
         for i in np.flatnonzero(batch.has(protocol.OPT_EMBED_MEAN)).tolist():
             a, b = int(offsets[i]), int(offsets[i + 1])
             rid = rids[i]
-            chunks = [x[a:b]] if i not in prefixes else [prefixes[i][0], x[a:b]]
+            cached = prefixes[i].hidden if i in prefixes else None
+            chunks = [x[a:b]] if cached is None else [cached, x[a:b]]
             for h in chunks:
                 rows = self._rms_norm(h, self._norm, self._eps)
                 total: np.ndarray

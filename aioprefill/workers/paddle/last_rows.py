@@ -1,13 +1,17 @@
 """A next-token batch's last layer on each prompt's last row alone.
 
 When nothing after the last layer reads a row but each prompt's last (every chunk ends its
-prompt; no prompt log-probabilities or mean pooling, which read every row; no prefix-cache block
-written, whose hidden rows are stored), `paddle.runner` runs that layer's attention for those
+prompt; no prompt log-probabilities or mean pooling, which read every row; no block that a KV
+store puts, which carries its hidden rows), `paddle.runner` runs that layer's attention for those
 rows' queries only (`attend_rows(last_only=True)`: keys and values of every row are still made,
 kept and exported) and its o projection, norm and MLP on those rows gathered (`take_rows`),
 then writes them back into the batch's hidden states (`put_rows`; the other rows keep the layer
 before's values, which nothing reads). The o projection and MLP are ~84% of a layer's products:
-on SmolLM2 (30 layers) ~2.8% of a next-token forward's.
+on SmolLM2 (30 layers) ~2.8% of a next-token forward's. The prefix-cache blocks such a forward
+writes keep their K/V and token ids but no hidden rows (`prefix_blocks.BlockStore.has_rows`):
+the engine reads them for next-token requests only (`sched.prefix.BlockIndex.rowless`). Before,
+any block written kept the whole layer, and the prefix cache on (the default) cost a next-token
+miss those 2.8%.
 
 Bits: the same as the whole layer's. The gathered rows are zero-padded to the product floor
 (`paddle.rows`: every product keeps a row's bits from there on, wherever the row sits), norms
@@ -21,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from aioprefill.wire import protocol
+from aioprefill.wire.outputs import OPTS_OVER_PROMPT
 from aioprefill.workers.paddle.attention import tiles_attention
 from aioprefill.workers.paddle.gemm import Products
 from aioprefill.workers.prefix_blocks import BatchPlan
@@ -36,10 +40,10 @@ def last_rows_only(batch: ForwardBatch, plan: BatchPlan | None, mm: Products, bf
     products, `bf16` a bfloat16 model)."""
     if not bool(batch.is_last.all()):
         return False
-    if batch.has(protocol.OPT_PROMPT_LOGPROBS | protocol.OPT_EMBED_MEAN).any():
+    if batch.has(OPTS_OVER_PROMPT).any():
         return False
-    if plan is not None and any(len(w) for w in plan.writes):
-        return False
+    if plan is not None and batch.write_hashes is not None and any(len(w) for w in plan.writes):
+        return False  # a KV store puts the written blocks whole
     return tiles_attention(mm.device == "cpu", mm, bf16)
 
 

@@ -10,9 +10,10 @@ The engine's plan for a chunk rides on the batch (`BatchPlan`). Inside the forwa
   order, so a request that reads a slot an earlier one writes in the same forward ("piggyback")
   finds that layer's keys and values there;
 - after the last layer (`after_layers`), the written blocks' hidden rows and token ids are
-  stored, then each reading request gets its cached positions' hidden rows and tokens for the
-  head (prompt log-probabilities, prompt top-k and mean pooling over them), and the prompt
-  outputs its leading slots kept (up to the first that kept none);
+  stored (token ids alone after a last layer run on the last rows: `paddle.last_rows`), then
+  each reading request that asks for prompt log-probabilities, prompt top-k or mean pooling
+  gets its cached positions' hidden rows and tokens for the head, and the prompt outputs its
+  leading slots kept (up to the first that kept none); the other readers need none of them;
 - after the head (`finish`), the prompt outputs of every written block that the chunk
   computed whole are kept in its slot;
 - a chunk that does not end its prompt keeps, in its `KVCache`, the hidden rows and tokens of
@@ -25,6 +26,7 @@ import numpy as np
 import paddle
 
 from aioprefill.wire import protocol
+from aioprefill.wire.outputs import OPTS_OVER_PROMPT
 from aioprefill.workers.paddle.attention import KVCache
 from aioprefill.workers.paddle.head import Cached, Prefixes, host
 from aioprefill.workers.prefix_blocks import SCORED_TOP_K, BatchPlan, BlockStore
@@ -91,11 +93,13 @@ class PrefixForward:
         store.write_kv(layer, writes, parts_k[0], parts_v[0])
 
     def after_layers(
-        self, x: paddle.Tensor, batch: ForwardBatch, caches: list[KVCache]
+        self, x: paddle.Tensor, batch: ForwardBatch, caches: list[KVCache], *, last_rows: bool
     ) -> Prefixes:
-        """Store the written blocks' hidden rows and tokens; then, per reading request (batch
-        index), its cached positions' hidden rows (on the device), token ids and kept prompt
-        outputs (when it asks for prompt logprobs: those of its leading slots that kept them)."""
+        """Store the written blocks' hidden rows and tokens (`last_rows`: the last layer ran on
+        each prompt's last row alone, x's other rows are stale: tokens only); then, per reading
+        request (batch index), its cached positions' hidden rows (on the device), token ids and
+        kept prompt outputs (when it asks for prompt logprobs: those of its leading slots that
+        kept them), or for a request that asks for nothing over the prompt, nothing."""
         store, plan, b = self.store, self.plan, self.store.block_tokens
         for i, writes in enumerate(plan.writes):
             if not len(writes):
@@ -104,7 +108,7 @@ class PrefixForward:
             lo = plan.first_write[i] * b
             hi = lo + len(writes) * b
             first = a + max(lo, start) - start
-            rows = [_host32(x[first : a + hi - start])]
+            rows = [] if last_rows else [_host32(x[first : a + hi - start])]
             tokens = [batch.tokens[first : a + hi - start]]
             if lo < start:  # the earlier chunk's part of the block it left unfinished
                 tail = caches[i].tail
@@ -112,13 +116,16 @@ class PrefixForward:
                 held = start - len(tail[1])
                 rows.insert(0, tail[0][lo - held :])
                 tokens.insert(0, tail[1][lo - held :])
-            store.write_rows(writes, np.concatenate(rows), np.concatenate(tokens))
+            hidden = None if last_rows else np.concatenate(rows)
+            store.write_rows(writes, hidden, np.concatenate(tokens))
         prefixes = {}
         asked, top = batch.has(protocol.OPT_PROMPT_LOGPROBS), batch.has(protocol.OPT_PROMPT_TOP_K)
-        top_k = batch.top_k_of()
+        top_k, over_prompt = batch.top_k_of(), batch.has(OPTS_OVER_PROMPT)
         rows_of: dict[bytes, tuple[paddle.Tensor, np.ndarray]] = {}  # shared, as at_layer's
         for i, reads in enumerate(plan.reads):
-            if len(reads):
+            if len(reads) and not over_prompt[i]:
+                prefixes[i] = Cached(None, None, None)
+            elif len(reads):
                 key = reads.tobytes()
                 if key not in rows_of:
                     hidden, ids = store.read_rows(reads)

@@ -332,7 +332,7 @@ class PaddleRunner:
             attn = att(q, k, v, bounds, caches, keep, index, rows, before)  # [rows, heads * dim]
             x = self._after_attention(x, attn, layer, split)
 
-        prefixes = {} if prefix is None else prefix.after_layers(x, batch, caches)
+        prefixes = {} if prefix is None else prefix.after_layers(x, batch, caches, last_rows=trim)
         ends = (batch.start_pos + lens).tolist()
         for i, (rid, cache, last) in enumerate(zip(request_ids, caches, is_last, strict=True)):
             if last:
