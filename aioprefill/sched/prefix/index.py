@@ -158,7 +158,10 @@ class BlockIndex:
     def put(self, blocks: list[int], slots: list[int], *, rowless: bool = False) -> None:
         """`slots` (from `take`) now hold `blocks`, each pinned once by the batch writing it;
         `rowless`: without their hidden rows."""
-        (self.rowless.update if rowless else self.rowless.difference_update)(slots)
+        if rowless:
+            self.rowless.update(slots)
+        else:
+            self.rowless.difference_update(slots)
         self.stored += len(blocks)
         self.slot_of.update(zip(blocks, slots, strict=True))
         self.hash_of.update(zip(slots, blocks, strict=True))
