@@ -153,20 +153,29 @@ async def one_pass(url: str, work: list[bytes], concurrency: int) -> tuple[list[
         return got, time.perf_counter() - t0
 
 
+def next_tokens(got: list[dict]) -> tuple[list[str], np.ndarray]:
+    """Each answer's greedy next token (as text) and its logprob."""
+    lps = np.array([c["logprobs"]["token_logprobs"][-1] for c in got], np.float64)
+    return [c["logprobs"]["tokens"][-1] for c in got], lps
+
+
+def prompt_logprobs(got: list[dict]) -> np.ndarray:
+    """Every echoed prompt token's logprob but each prompt's first (which has none), back to
+    back: the list holds the prompt's tokens, then the generated one."""
+    return np.concatenate(
+        [np.array(c["logprobs"]["token_logprobs"][1:-1], np.float64) for c in got]
+    )
+
+
 def accuracy(task: str, got: list[dict], prompts: list[np.ndarray], ref, texts) -> str:
     name = "64x280"
-    toks = [c["logprobs"]["tokens"][-1] for c in got]
-    lps = np.array([c["logprobs"]["token_logprobs"][-1] for c in got], np.float64)
+    toks, lps = next_tokens(got)
     n_prompt = sum(len(p) - 1 for p in prompts)  # `--prompts`: the reference's first ones
     same = sum(t == texts[i] for i, t in enumerate(toks))
     line = (f"greedy {same}/{len(got)} = float64, next-token logprob max |d| "
             f"{np.abs(lps - ref[f'{name}_1'][: len(got)]).max():.2e}")  # fmt: skip
     if task.startswith("score"):
-        plp = np.concatenate([
-            np.array(c["logprobs"]["token_logprobs"][1 : len(p)], np.float64)
-            for c, p in zip(got, prompts, strict=True)
-        ])  # fmt: skip
-        d = np.abs(plp - ref[f"{name}_2"][:n_prompt])
+        d = np.abs(prompt_logprobs(got) - ref[f"{name}_2"][:n_prompt])
         line += (f"; prompt logprob |d| mean {d.mean():.2e} p99 {np.quantile(d, 0.99):.2e} "
                  f"max {d.max():.2e}")  # fmt: skip
     return line
@@ -253,22 +262,12 @@ def main() -> None:
 def hit_vs_miss(miss: list[dict], hit: list[dict]) -> str:
     """|hit - miss| of the next-token logprob and (echo) every prompt logprob, and how many
     greedy next tokens differ."""
-
-    def lps(got: list[dict]) -> np.ndarray:
-        return np.array([c["logprobs"]["token_logprobs"][-1] for c in got], np.float64)
-
-    def tok(got: list[dict]) -> list[str]:
-        return [c["logprobs"]["tokens"][-1] for c in got]
-
-    differ = sum(a != b for a, b in zip(tok(hit), tok(miss), strict=True))
-    line = (f"next-token logprob max |hit - miss| {np.abs(lps(hit) - lps(miss)).max():.2e}, "
+    (hit_toks, hit_lps), (miss_toks, miss_lps) = next_tokens(hit), next_tokens(miss)
+    differ = sum(a != b for a, b in zip(hit_toks, miss_toks, strict=True))
+    line = (f"next-token logprob max |hit - miss| {np.abs(hit_lps - miss_lps).max():.2e}, "
             f"greedy tokens differing {differ}")  # fmt: skip
     if len(miss[0]["logprobs"]["token_logprobs"]) > 1:  # echo: the prompt's too
-        d = np.concatenate([
-            np.abs(np.array(h["logprobs"]["token_logprobs"][1:-1], np.float64)
-                   - np.array(m["logprobs"]["token_logprobs"][1:-1], np.float64))
-            for h, m in zip(hit, miss, strict=True)
-        ])  # fmt: skip
+        d = np.abs(prompt_logprobs(hit) - prompt_logprobs(miss))
         line += f"; prompt logprob |hit - miss| p99 {np.quantile(d, 0.99):.2e} max {d.max():.2e}"
     return line
 
